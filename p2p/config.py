@@ -1,0 +1,62 @@
+"""Configuration of the swarm: addresses, bootstrap, round timing.
+
+Validated like every component config: a bad value raises ``ValueError``
+starting with the dotted key (``swarm.listen: ...``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.config import require
+
+
+def _is_multiaddr(text: str) -> bool:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        Multiaddr(text)
+        return True
+    except Exception:
+        return False
+
+
+@dataclass(kw_only=True, slots=True)
+class SwarmConfig:
+    # Multiaddrs of running peers to join through (any live peer will do).
+    # Empty: start a new swarm.
+    bootstrap: list[str] = field(default_factory=list)
+    # Multiaddrs to listen on. Loopback by default; on a real host use e.g.
+    # /ip4/0.0.0.0/tcp/31337 and announce your public address.
+    listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    # Multiaddrs other peers should dial (needs explicit ports). Empty: the
+    # listen addresses as bound.
+    announce: list[str] = field(default_factory=list)
+    # Enables UPnP port mapping, AutoNAT and circuit relays in libp2p.
+    # Off by default: the node only talks to the addresses it is given.
+    nat_traversal: bool = False
+    # A round commits only with at least this many members (this peer included);
+    # with fewer, peers keep waiting for the others.
+    min_peers: int = 1
+    # Seconds a ready peer waits for the other live peers to finish their inner
+    # steps before the round starts without them.
+    gather_timeout: float = 60.0
+    # Seconds allowed for the all-reduce and the commit vote of one round.
+    round_timeout: float = 60.0
+    # Seconds to wait for any single network call (connect, one message).
+    request_timeout: float = 20.0
+    # Seconds between two announcements of this peer's state in the DHT;
+    # a peer silent for 3 intervals is considered gone.
+    heartbeat_interval: float = 2.0
+
+    def __post_init__(self) -> None:
+        for key in ("bootstrap", "listen", "announce"):
+            for addr in getattr(self, key):
+                require(isinstance(addr, str) and _is_multiaddr(addr), f"swarm.{key}", f"not a multiaddr: {addr!r}")
+        require(bool(self.listen), "swarm.listen", "needs at least one address")
+        for addr in self.announce:
+            require("/tcp/0/" not in addr + "/", "swarm.announce", f"needs an explicit port, not 0: {addr!r}")
+        require(self.min_peers >= 1, "swarm.min_peers", f"must be >= 1 (got {self.min_peers})")
+        for key in ("gather_timeout", "round_timeout", "request_timeout", "heartbeat_interval"):
+            value = getattr(self, key)
+            require(value > 0, f"swarm.{key}", f"must be > 0 (got {value})")

@@ -1,0 +1,100 @@
+"""Configuration of the trainer's components: model, data, inner loop, outer step.
+
+Each component owns one small dataclass. Every field is documented where it is
+defined and validated in ``__post_init__``: a bad value raises ``ValueError``
+whose message starts with the field's dotted key (``inner.steps: ...``), which
+the CLI turns into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODEL_PRESETS = ("tiny", "small", "base")
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    """Raise the ValueError the CLI reports as ``key: message``."""
+    if not ok:
+        raise ValueError(f"{key}: {message}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    # Built-in GPT-style decoder preset: tiny (~1M params, CPU tests and demo),
+    # small (~25M), base (~125M). Vocabulary is bytes (256 tokens).
+    preset: str = "tiny"
+    # Dropout inside the transformer; 0 keeps inner steps deterministic.
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {', '.join(MODEL_PRESETS)} (got {self.preset!r})")
+        require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1) (got {self.dropout})")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    # Text files or directories of text files, read as bytes. Empty: the
+    # built-in corpus, the Python standard library's source files on this machine.
+    paths: list[str] = field(default_factory=list)
+    # Sequences per inner step on this peer (its tokens per step = batch_size * seq_len).
+    batch_size: int = 8
+    # Tokens (bytes) per training sequence; 0 = the model preset's context length.
+    seq_len: int = 0
+    # Fraction of the corpus held out for evaluation, the same on every peer.
+    eval_fraction: float = 0.02
+    # Batches of held-out data averaged for one eval loss figure.
+    eval_batches: int = 8
+
+    def __post_init__(self) -> None:
+        require(all(isinstance(p, str) and p for p in self.paths), "data.paths", "must be a list of non-empty paths")
+        require(self.batch_size >= 1, "data.batch_size", f"must be >= 1 (got {self.batch_size})")
+        require(self.seq_len >= 0, "data.seq_len", f"must be >= 0 (got {self.seq_len})")
+        require(0.0 < self.eval_fraction < 0.5, "data.eval_fraction", f"must be in (0, 0.5) (got {self.eval_fraction})")
+        require(self.eval_batches >= 1, "data.eval_batches", f"must be >= 1 (got {self.eval_batches})")
+
+
+@dataclass(kw_only=True, slots=True)
+class InnerConfig:
+    # H: local AdamW steps between two outer synchronisations.
+    steps: int = 50
+    # Peak learning rate of the inner AdamW.
+    lr: float = 1e-3
+    # Linear warmup, in inner steps counted over the whole run.
+    warmup_steps: int = 50
+    # Cosine decay horizon in inner steps (down to min_lr_ratio * lr); 0 = constant after warmup.
+    total_steps: int = 0
+    # Floor of the cosine schedule, as a fraction of lr.
+    min_lr_ratio: float = 0.1
+    # AdamW decoupled weight decay.
+    weight_decay: float = 0.1
+    # AdamW betas.
+    beta1: float = 0.9
+    beta2: float = 0.95
+    # Global gradient-norm clip; 0 disables clipping.
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "inner.steps", f"must be >= 1 (got {self.steps})")
+        require(self.lr > 0, "inner.lr", f"must be > 0 (got {self.lr})")
+        require(self.warmup_steps >= 0, "inner.warmup_steps", f"must be >= 0 (got {self.warmup_steps})")
+        require(self.total_steps >= 0, "inner.total_steps", f"must be >= 0 (got {self.total_steps})")
+        require(0.0 <= self.min_lr_ratio <= 1.0, "inner.min_lr_ratio", f"must be in [0, 1] (got {self.min_lr_ratio})")
+        require(self.weight_decay >= 0, "inner.weight_decay", f"must be >= 0 (got {self.weight_decay})")
+        require(0.0 <= self.beta1 < 1.0, "inner.beta1", f"must be in [0, 1) (got {self.beta1})")
+        require(0.0 <= self.beta2 < 1.0, "inner.beta2", f"must be in [0, 1) (got {self.beta2})")
+        require(self.grad_clip >= 0, "inner.grad_clip", f"must be >= 0 (got {self.grad_clip})")
+
+
+@dataclass(kw_only=True, slots=True)
+class OuterConfig:
+    # Outer SGD learning rate applied to the averaged pseudo-gradient.
+    lr: float = 0.7
+    # Outer momentum.
+    momentum: float = 0.9
+    # Nesterov momentum (DiLoCo's choice); false = heavy-ball.
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "outer.lr", f"must be > 0 (got {self.lr})")
+        require(0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1) (got {self.momentum})")
