@@ -1,0 +1,294 @@
+"""The `gonka-node` command: start a node, ask a running one how it is doing.
+
+Exit codes: 0 success; 2 a bad flag or setting, reported as one line on
+stderr naming it; 1 a runtime failure (no node answering, the node failed).
+Heavy imports (torch, hivemind, the daemon) happen inside the subcommands,
+so `--help` and mistakes in flags answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from typing import Any, NoReturn
+
+from node.config import ConfigError, default_control_path, load_config, to_toml
+
+PROG = "gonka-node"
+# A ValueError whose message starts with a dotted key is a bad setting found
+# late (e.g. a corrupt identity file): the user's mistake, so exit code 2.
+_SETTING_ERROR = re.compile(r"^[a-z]+\.[a-z_]+: ")
+
+
+class UsageError(Exception):
+    """Bad command-line usage; reported as one line with exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    # argparse prints the whole usage block and exits; one line naming the
+    # bad flag is easier to read and to test.
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+# (flag, config key, argparse options) of `gonka-node start`. Flags left out
+# keep the value from the lower layers (config file, environment).
+START_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("--run-id", "node.run_id", dict(metavar="NAME", help="name of the training run; peers train together only within one run id (default: default)")),
+    ("--bootstrap", "swarm.bootstrap", dict(metavar="MULTIADDR", action="append", help="multiaddr of a running peer to join through, e.g. /ip4/10.0.0.5/tcp/31337/p2p/12D3...; repeat for several; none: start a new swarm")),
+    ("--listen", "swarm.listen", dict(metavar="MULTIADDR", action="append", help="multiaddr to listen on; repeat for several (default: /ip4/127.0.0.1/tcp/0, loopback only; use e.g. /ip4/0.0.0.0/tcp/31337 on a real host)")),
+    ("--announce", "swarm.announce", dict(metavar="MULTIADDR", action="append", help="multiaddr other peers should dial, with an explicit port, e.g. your public address; repeat for several (default: the listen addresses as bound)")),
+    ("--identity", "node.identity", dict(metavar="PATH", help="libp2p private key file, created on first start and never overwritten, so the peer id survives restarts (default: a new ephemeral identity each start)")),
+    ("--data", "data.paths", dict(metavar="PATH", action="append", help="text file or directory of text files to train on, read as bytes; repeat for several (default: the built-in corpus)")),
+    ("--model", "model.preset", dict(metavar="PRESET", help="model preset: tiny, small or base (default: tiny)")),
+    ("--inner-steps", "inner.steps", dict(metavar="H", type=int, help="local optimizer steps between two outer synchronisations (default: 50)")),
+    ("--max-rounds", "node.max_rounds", dict(metavar="N", type=int, help="stop after N committed outer rounds; 0 = train until stopped (default: 0)")),
+    ("--checkpoint-dir", "node.checkpoint_dir", dict(metavar="DIR", help="directory for checkpoints; a restart resumes from the latest (default: no checkpoints)")),
+    ("--metrics-addr", "node.metrics_addr", dict(metavar="HOST:PORT|off", help="serve Prometheus metrics at http://HOST:PORT/metrics, or 'off' (default: 127.0.0.1:9400)")),
+    ("--control", "node.control", dict(metavar="PATH|off", help="unix socket for `gonka-node status` and `peers`, or 'off' (default: $XDG_RUNTIME_DIR/gonka-node/RUN_ID.sock, else /tmp/gonka-node-UID/RUN_ID.sock)")),
+    ("--status-file", "node.status_file", dict(metavar="PATH", help="file rewritten with the node's status as JSON (default: none)")),
+    ("--device", "node.device", dict(metavar="cpu|cuda|auto", help="where the model trains; auto = cuda when available (default: auto)")),
+    ("--seed", "node.seed", dict(metavar="N", type=int, help="seed of model initialisation and data order (default: 0)")),
+    ("--min-peers", "swarm.min_peers", dict(metavar="N", type=int, help="a round commits only with at least N members, this peer included (default: 1)")),
+    ("--nat-traversal", "swarm.nat_traversal", dict(action="store_true", help="enable UPnP port mapping, AutoNAT and circuit relays in libp2p (default: off; the node talks only to the addresses it is given)")),
+    ("--log-level", "node.log_level", dict(metavar="LEVEL", help="debug, info, warning or error (default: info)")),
+    ("--threads", "node.threads", dict(metavar="N", type=int, help="torch intra-op threads; 0 = torch's default (default: 0)")),
+]
+
+START_EPILOG = """\
+Settings are taken from, lowest to highest precedence: built-in defaults, the
+--config file, GONKA_<SECTION>_<KEY> environment variables (e.g.
+GONKA_INNER_STEPS=20, GONKA_SWARM_BOOTSTRAP=addr1,addr2), then --set, then the
+flags above. A repeated flag replaces the whole list from the lower layers.
+Every setting and its value: gonka-node start --print-config.
+"""
+
+
+def _control_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--control", metavar="PATH", help="control socket of the node (default: the default path for --run-id)")
+    parser.add_argument("--run-id", metavar="NAME", help="run id of the node, to find its default control socket (default: default)")
+    parser.add_argument("--json", action="store_true", help="print the node's answer as JSON")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Peer-to-peer DiLoCo training daemon: hosts train one language model together over the internet, with no central server.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    start = commands.add_parser(
+        "start",
+        help="start a node and train until stopped",
+        description="Start a node: join the swarm (or start one) and train until stopped (SIGINT/SIGTERM) or --max-rounds.",
+        epilog=START_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    start.add_argument("--config", metavar="FILE.toml", help="TOML file with one table per section ([node], [swarm], [model], [data], [inner], [outer])")
+    for flag, _, options in START_FLAGS:
+        start.add_argument(flag, **options)
+    start.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", help="set any setting, e.g. --set inner.lr=3e-4 or --set swarm.listen=addr1,addr2 (lists comma-separated); repeatable")
+    start.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
+
+    status = commands.add_parser("status", help="show a running node's status", description="Ask a running node on this host for its status.")
+    _control_args(status)
+    peers = commands.add_parser("peers", help="list the swarm peers a running node sees", description="Ask a running node on this host which swarm peers it sees.")
+    _control_args(peers)
+
+    identity = commands.add_parser("identity", help="print the peer id of an identity key file", description="Print the peer id of an identity key file, creating the file if it does not exist.")
+    identity.add_argument("--identity", metavar="PATH", help="key file (default: generate an ephemeral key and print its peer id)")
+
+    commands.add_parser("version", help="print the version", description="Print the version of gonka-node.")
+    return parser
+
+
+def _start_overrides(args: argparse.Namespace) -> tuple[dict[str, object], dict[str, str]]:
+    """Config overrides from the flags given, and which flag set each key."""
+    overrides: dict[str, object] = {}
+    flag_of: dict[str, str] = {}
+    for item in getattr(args, "set", []):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"argument --set: expected SECTION.KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = value
+        flag_of[key.strip()] = f"--set {key.strip()}"
+    # Named flags win over --set: they are the more specific request.
+    for flag, key, _ in START_FLAGS:
+        dest = flag.lstrip("-").replace("-", "_")
+        if hasattr(args, dest):
+            overrides[key] = getattr(args, dest)
+            flag_of[key] = flag
+    return overrides, flag_of
+
+
+def _cmd_start(args: argparse.Namespace) -> int:
+    overrides, flag_of = _start_overrides(args)
+    try:
+        config = load_config(toml_path=getattr(args, "config", None), environ=os.environ, overrides=overrides)
+    except ConfigError as exc:
+        message = str(exc)
+        if exc.key in flag_of and "(from " not in message:
+            message += f" (from {flag_of[exc.key]})"
+        _fail(message)
+        return 2
+    if getattr(args, "print_config", False):
+        sys.stdout.write(to_toml(config))
+        return 0
+    logging.basicConfig(
+        level=config.node.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from node.daemon import run_node
+
+    try:
+        return run_node(config)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:
+        if _SETTING_ERROR.match(str(exc)):
+            _fail(str(exc))
+            return 2
+        logging.getLogger(PROG).exception("node failed")
+        _fail(str(exc))
+        return 1
+    except Exception as exc:
+        logging.getLogger(PROG).exception("node failed")
+        _fail(f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc))
+        return 1
+
+
+def _control_path(args: argparse.Namespace) -> str:
+    if args.control:
+        return args.control
+    # Same resolution as `start`: honours GONKA_NODE_CONTROL / GONKA_NODE_RUN_ID.
+    overrides: dict[str, object] = {}
+    if args.run_id is not None:
+        overrides["node.run_id"] = args.run_id
+    config = load_config(toml_path=None, environ=os.environ, overrides=overrides)
+    path = config.node.control_path()
+    if path is None:
+        raise ConfigError("node.control: is 'off'; pass --control PATH")
+    return path
+
+
+def _ask(args: argparse.Namespace, cmd: str) -> Any:
+    from node.control import request
+
+    return request(_control_path(args), cmd)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, list):
+        return ", ".join(str(item) for item in value) or "-"
+    return str(value)
+
+
+STATUS_FIELDS = ("peer_id", "run_id", "state", "round", "inner_step", "loss", "peers", "params_hash", "multiaddrs")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = _ask(args, "status")
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    if not isinstance(status, dict):
+        raise RuntimeError(f"unexpected status reply: {status!r}")
+    # The listed fields first, in a fixed order; whatever else the node
+    # reports after them.
+    keys = list(STATUS_FIELDS) + sorted(k for k in status if k not in STATUS_FIELDS)
+    width = max(len(k) for k in keys)
+    for key in keys:
+        print(f"{key.replace('_', ' '):<{width}}  {_fmt(status.get(key))}")
+    return 0
+
+
+PEER_COLUMNS = ("peer_id", "state", "round", "params_hash")
+
+
+def _cmd_peers(args: argparse.Namespace) -> int:
+    peers = _ask(args, "peers")
+    if args.json:
+        print(json.dumps(peers, indent=2, sort_keys=True))
+        return 0
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        raise RuntimeError(f"unexpected peers reply: {peers!r}")
+    columns = list(PEER_COLUMNS)
+    for peer in peers:
+        columns += [k for k in peer if k not in columns]
+    rows = [[c.upper() for c in columns]] + [[_fmt(p.get(c)) for c in columns] for p in peers]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _cmd_identity(args: argparse.Namespace) -> int:
+    from p2p.identity import generate_identity, load_or_create_identity, peer_id_from_key
+
+    if args.identity:
+        print(load_or_create_identity(args.identity))
+    else:
+        print(peer_id_from_key(generate_identity()))
+        print(f"{PROG}: this identity is ephemeral (not saved); pass --identity PATH to keep one", file=sys.stderr)
+    return 0
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("gonka-node")
+    except PackageNotFoundError:
+        return "0.1.0+unknown"
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    print(f"{PROG} {version()}")
+    return 0
+
+
+COMMANDS = {
+    "start": _cmd_start,
+    "status": _cmd_status,
+    "peers": _cmd_peers,
+    "identity": _cmd_identity,
+    "version": _cmd_version,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return COMMANDS[args.command](args)
+    except (UsageError, ConfigError) as exc:
+        _fail(str(exc))
+        return 2
+    except ValueError as exc:
+        # Bad settings found outside load_config (identity file) name their key.
+        if _SETTING_ERROR.match(str(exc)):
+            _fail(str(exc))
+            return 2
+        raise
+    except (ConnectionError, RuntimeError) as exc:
+        _fail(str(exc))
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""Prometheus metrics of one node, and the HTTP endpoint that serves them.
+
+Every number an operator would put on a dashboard is defined here, once, with
+its help string: that text is what users read in Prometheus and Grafana. The
+metrics live in a private registry, so several nodes (or tests) in one
+process never share counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, start_http_server
+
+from node.config import parse_host_port
+
+# A round's network phases range from a LAN all-reduce of a tiny model
+# (~10 ms) to a cross-continent transfer of a large one (minutes).
+NETWORK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 600)
+# One inner step: milliseconds for the tiny CPU model, seconds on big models.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A joiner's full state download: model and optimizer state of up to GBs.
+DOWNLOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 600, 1800)
+# Writing a checkpoint (with fsync) to local disk.
+CHECKPOINT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 300)
+
+
+class NodeMetrics:
+    """The node's metrics; the daemon updates the attributes, Prometheus scrapes them."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.info = Info("gonka_node", "Identity of this node: libp2p peer id, run id, software version.", registry=r)
+
+        # Training progress.
+        self.rounds = Counter("gonka_node_rounds_total", "Outer rounds committed by this node.", registry=r)
+        self.round = Gauge("gonka_node_round", "Number of the last outer round this node committed.", registry=r)
+        self.rounds_aborted = Counter(
+            "gonka_node_rounds_aborted_total",
+            "Outer rounds abandoned without a commit, by reason; the inner steps are kept for the next round.",
+            ["reason"],
+            registry=r,
+        )
+        self.inner_steps = Counter("gonka_node_inner_steps_total", "Local inner optimizer steps taken.", registry=r)
+        self.tokens = Counter("gonka_node_tokens_total", "Training tokens processed by this node's inner steps.", registry=r)
+        self.loss = Gauge("gonka_node_loss", "Mean training loss over the inner steps of the last round.", registry=r)
+        self.eval_loss = Gauge("gonka_node_eval_loss", "Loss on the held-out evaluation batches, last measured.", registry=r)
+        self.inner_step_seconds = Histogram(
+            "gonka_node_inner_step_seconds",
+            "Wall time of one inner step (forward, backward, optimizer).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+
+        # The swarm and the rounds' network phases.
+        self.peers = Gauge("gonka_node_peers", "Live swarm peers known to this node, itself included.", registry=r)
+        self.round_members = Gauge(
+            "gonka_node_round_members", "Peers that took part in the last round's all-reduce, this node included.", registry=r
+        )
+        self.allreduce_seconds = Histogram(
+            "gonka_node_allreduce_seconds",
+            "Wall time of one round's all-reduce of pseudo-gradients, commit vote included.",
+            buckets=NETWORK_BUCKETS,
+            registry=r,
+        )
+        self.gather_wait_seconds = Histogram(
+            "gonka_node_gather_wait_seconds",
+            "Time this node waited, ready, for the other peers to finish their inner steps.",
+            buckets=NETWORK_BUCKETS,
+            registry=r,
+        )
+        self.sent_bytes = Counter("gonka_node_sent_bytes_total", "Bytes of round traffic sent to other peers.", registry=r)
+        self.received_bytes = Counter(
+            "gonka_node_received_bytes_total", "Bytes of round traffic received from other peers.", registry=r
+        )
+        self.averaging_failures = Counter(
+            "gonka_node_averaging_failures_total", "All-reduce attempts that failed, by reason.", ["reason"], registry=r
+        )
+        self.rejected_messages = Counter(
+            "gonka_node_rejected_messages_total",
+            "Messages from other peers rejected as invalid, by reason; none of them reached the model.",
+            ["reason"],
+            registry=r,
+        )
+
+        # Joining, resynchronising and serving state.
+        self.state_downloads = Counter(
+            "gonka_node_state_downloads_total",
+            "Downloads of the training state from another peer, by result.",
+            ["result"],
+            registry=r,
+        )
+        self.state_download_seconds = Histogram(
+            "gonka_node_state_download_seconds",
+            "Wall time of one training state download from another peer.",
+            buckets=DOWNLOAD_BUCKETS,
+            registry=r,
+        )
+        self.state_served = Counter(
+            "gonka_node_state_served_total", "Training state transfers this node served to joining peers.", registry=r
+        )
+        self.resyncs = Counter(
+            "gonka_node_resyncs_total",
+            "Times this node replaced its state with the swarm's because it had diverged or fallen behind, by reason.",
+            ["reason"],
+            registry=r,
+        )
+
+        # Checkpoints.
+        self.checkpoints = Counter("gonka_node_checkpoints_total", "Checkpoints written to disk.", registry=r)
+        self.checkpoint_seconds = Histogram(
+            "gonka_node_checkpoint_seconds",
+            "Wall time of writing one checkpoint, fsync included.",
+            buckets=CHECKPOINT_BUCKETS,
+            registry=r,
+        )
+
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def set_info(self, peer_id: str, run_id: str, version: str) -> None:
+        self.info.info({"peer_id": peer_id, "run_id": run_id, "version": version})
+
+    def start(self, addr: str) -> None:
+        """Serve /metrics on "HOST:PORT" from a daemon thread; "off" serves nothing."""
+        if addr == "off":
+            return
+        if self._server is not None:
+            raise RuntimeError("metrics exporter already started")
+        host, port = parse_host_port(addr)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise RuntimeError(f"node.metrics_addr: cannot listen on {addr}: {exc.strerror or exc}") from None
+
+    @property
+    def bound_port(self) -> int | None:
+        """The port actually listened on (the real one when port 0 was asked), None when not serving."""
+        return None if self._server is None else self._server.server_port
+
+    def close(self) -> None:
+        if self._server is None:
+            return
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def render(self) -> bytes:
+        """The exposition text a scrape would get."""
+        return generate_latest(self.registry)

@@ -1,0 +1,152 @@
+"""One averaging group: the agreed members of a round and the state of its all-reduce.
+
+The all-reduce is a butterfly: the flat pseudo-gradient is cut into one
+contiguous part per member; member ``j`` receives part ``j`` from everyone,
+reduces it once (weighted sum in member order, so the result does not depend
+on arrival order) and sends the same bytes back to all. Every member thus ends
+with a bit-identical average. Before anyone applies it, members exchange a
+digest of the whole averaged vector (``votes``): a round commits only if every
+member reports the same digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RoundFailed(Exception):
+    """The group cannot commit; ``reason`` is a metric label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split [0, numel) into ``parts`` contiguous ranges of near-equal size."""
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def digest(vector: torch.Tensor, group_id: bytes) -> bytes:
+    """What members vote on: the averaged vector, bound to this group."""
+    h = hashlib.blake2b(digest_size=16, key=group_id[:64])
+    h.update(vector.numpy().tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Group:
+    """Membership and progress of one round attempt on this peer."""
+
+    id: bytes
+    round: int
+    members: list[str]
+    me: str
+    flat: torch.Tensor  # this peer's contribution (fp32, 1-D)
+    weight: float
+    contributions: dict[int, tuple[float, torch.Tensor]] = field(default_factory=dict)
+    votes: dict[int, bytes] = field(default_factory=dict)
+    failure: RoundFailed | None = None
+
+    def __post_init__(self) -> None:
+        assert self.me in self.members and self.members == sorted(self.members)
+        self.index = self.members.index(self.me)
+        self.bounds = part_bounds(self.flat.numel(), len(self.members))
+        self.result = torch.empty_like(self.flat)
+        self._changed = asyncio.Event()
+        self._reduced: bytes | None = None
+        self.add_contribution(self.index, self.weight, self.flat[slice(*self.bounds[self.index])])
+
+    @property
+    def leader(self) -> str:
+        return self.members[0]
+
+    def member_index(self, peer_id: str) -> int | None:
+        try:
+            return self.members.index(peer_id)
+        except ValueError:
+            return None
+
+    def part_numel(self, index: int) -> int:
+        start, end = self.bounds[index]
+        return end - start
+
+    # ---- events ----------------------------------------------------------------
+
+    def fail(self, reason: str, detail: str = "") -> None:
+        if self.failure is None:
+            self.failure = RoundFailed(reason, detail)
+            self._changed.set()
+
+    async def _wait(self, predicate, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while not predicate():
+            if self.failure is not None:
+                raise self.failure
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise RoundFailed("timeout")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        if self.failure is not None:
+            raise self.failure
+
+    # ---- reduce: this peer owns part ``self.index`` -----------------------------
+
+    def add_contribution(self, sender: int, weight: float, part: torch.Tensor) -> None:
+        """Store one member's slice of our part; reject what cannot be a real contribution."""
+        if sender in self.contributions:
+            raise RoundFailed("duplicate_part")
+        if not (isinstance(weight, float) and math.isfinite(weight) and weight > 0):
+            raise RoundFailed("bad_weight")
+        if part.numel() != self.part_numel(self.index):
+            raise RoundFailed("bad_size")
+        if not bool(torch.isfinite(part).all()):
+            raise RoundFailed("non_finite")
+        self.contributions[sender] = (weight, part)
+        self._changed.set()
+
+    async def reduced_part(self, deadline: float) -> bytes:
+        """The averaged part this peer owns, once every member contributed."""
+        await self._wait(lambda: len(self.contributions) == len(self.members), deadline)
+        if self._reduced is None:
+            total = math.fsum(w for w, _ in self.contributions.values())
+            acc = torch.zeros(self.part_numel(self.index), dtype=torch.float32)
+            for i in range(len(self.members)):  # fixed order: same bytes whatever the arrival order
+                w, part = self.contributions[i]
+                acc.add_(part, alpha=w / total)
+            self._reduced = acc.numpy().tobytes()
+            self.place(self.index, self._reduced)
+        return self._reduced
+
+    def place(self, index: int, data: bytes) -> None:
+        start, end = self.bounds[index]
+        if len(data) != (end - start) * 4:
+            raise RoundFailed("bad_size")
+        self.result[start:end] = torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+    # ---- vote --------------------------------------------------------------------
+
+    def add_vote(self, sender: int, value: bytes) -> None:
+        if not isinstance(value, bytes) or len(value) != 16:
+            raise RoundFailed("bad_vote")
+        self.votes.setdefault(sender, value)
+        self._changed.set()
+
+    async def agreed(self, deadline: float) -> bool:
+        await self._wait(lambda: len(self.votes) == len(self.members), deadline)
+        return len(set(self.votes.values())) == 1

@@ -1,0 +1,391 @@
+"""The swarm's implementation of the averaging interface: one outer round, all or nothing.
+
+A round on this peer goes: announce ``ready`` for round r in the DHT; wait
+until every live peer of round r is ready (or ``gather_timeout``); the ready
+peer with the smallest id leads and sends ``begin`` with the sorted member
+list to the others; every member must accept, else the attempt is cancelled
+and retried without the silent ones. Members then run the butterfly
+all-reduce of ``group.py`` over libp2p streams and vote on the digest of the
+result. Any failure (a member dead, slow, refusing, or sending garbage) fails
+the attempt on every member that hears of it: they apply nothing and retry
+with the survivors. A peer that finds the swarm already past its round
+returns ``behind``, and the node re-syncs its state from peers.
+
+Every request is checked against the group's member list; libp2p
+authenticates the remote peer id, so a stranger cannot contribute or vote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p.group import Group, RoundFailed, digest
+from p2p.swarm import Swarm, peer_id_from
+from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, read_frame, write_frame
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.25
+
+
+@dataclass(slots=True)
+class RoundOutcome:
+    """How the last ``average`` call ended."""
+
+    status: str  # committed | aborted | behind
+    reason: str = ""
+    members: list[str] = field(default_factory=list)
+    gather_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+
+
+@dataclass(eq=False)
+class _Waiting:
+    round: int
+    flat: torch.Tensor
+    weight: float
+    group: asyncio.Future
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t).clone())
+        offset += t.numel()
+    return out
+
+
+class RoundProtocol:
+    """``average(tensors, weight, round)`` over the swarm; see the module docstring."""
+
+    def __init__(self, swarm: Swarm, metrics) -> None:
+        self.swarm = swarm
+        self.metrics = metrics
+        cfg = swarm.config
+        self.min_peers = cfg.min_peers
+        self.gather_timeout = cfg.gather_timeout
+        self.round_timeout = cfg.round_timeout
+        self.request_timeout = cfg.request_timeout
+        self._names = {k: f"gonka.{swarm.run_id}.{k}" for k in ("begin", "part", "vote")}
+        self._waiting: _Waiting | None = None
+        self._group: Group | None = None
+        self._group_set = asyncio.Event()
+        self._suspects: dict[str, float] = {}
+        self.last = RoundOutcome("none")
+
+    async def start(self) -> None:
+        p2p = self.swarm.p2p
+        await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin))
+        await p2p.add_binary_stream_handler(self._names["part"], self._guard(self._on_part))
+        await p2p.add_binary_stream_handler(self._names["vote"], self._guard(self._on_vote))
+
+    # ---- the averaging interface ---------------------------------------------------
+
+    async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
+        flat = flatten(tensors)
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._waiting = _Waiting(round, flat, float(weight), loop.create_future())
+        self.swarm.announce(state="ready", round=round)
+        try:
+            group = await self._gather(round, started)
+        except _Behind:
+            self.last = RoundOutcome("behind", "swarm_ahead", gather_seconds=time.monotonic() - started)
+            return None
+        finally:
+            self._waiting = None
+        gathered = time.monotonic()
+        self.metrics.gather_wait_seconds.observe(gathered - started)
+        self.metrics.round_members.set(len(group.members))
+        self.swarm.announce(state="averaging")
+        try:
+            result = await self._allreduce(group)
+        except RoundFailed as e:
+            await self._broadcast_abort(group, e.reason)
+            self.metrics.averaging_failures.labels(reason=e.reason).inc()
+            self.last = RoundOutcome("aborted", e.reason, group.members, gathered - started, time.monotonic() - gathered)
+            log.warning("round %d attempt with %d members aborted: %s", round, len(group.members), e)
+            return None
+        finally:
+            self._group = None
+        self.metrics.allreduce_seconds.observe(time.monotonic() - gathered)
+        self.last = RoundOutcome("committed", "", group.members, gathered - started, time.monotonic() - gathered)
+        return unflatten(result, tensors)
+
+    # ---- gather: who is in this round ----------------------------------------------
+
+    def _suspect(self, peer_id: str, seconds: float) -> None:
+        self._suspects[peer_id] = time.monotonic() + seconds
+
+    def _live(self, peers) -> dict:
+        now = time.monotonic()
+        self._suspects = {p: t for p, t in self._suspects.items() if t > now}
+        return {p: r for p, r in peers.items() if p not in self._suspects}
+
+    async def _gather(self, round: int, started: float) -> Group:
+        leader_wait_limit = self.gather_timeout + 2 * self.request_timeout
+        waited_for_leader: dict[str, float] = {}
+        while True:
+            peers = self._live(await self.swarm.refresh_peers())
+            if any(r.round > round and r.state != "joining" for r in peers.values()):
+                raise _Behind()
+            ready = sorted([p for p, r in peers.items() if r.round == round and r.state == "ready"] + [self.swarm.peer_id])
+            training = [p for p, r in peers.items() if r.round == round and r.state == "training"]
+            leader = ready[0]
+            timed_out = time.monotonic() - started > self.gather_timeout
+            if leader == self.swarm.peer_id and len(ready) >= self.min_peers and (not training or timed_out):
+                group = await self._lead(round, ready)
+                if group is not None:
+                    return group
+            elif leader != self.swarm.peer_id:
+                first_seen = waited_for_leader.setdefault(leader, time.monotonic())
+                if time.monotonic() - first_seen > leader_wait_limit:
+                    log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
+                    self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout)
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._waiting.group), POLL_SECONDS)
+            except TimeoutError:
+                continue
+
+    async def _lead(self, round: int, members: list[str]) -> Group | None:
+        """Propose the group to every member; all must accept or the attempt is cancelled."""
+        waiting = self._waiting
+        if waiting.group.done():
+            return waiting.group.result()
+        group = Group(os.urandom(16), round, members, self.swarm.peer_id, waiting.flat, waiting.weight)
+        self._install(group)
+        waiting.group.set_result(group)
+        others = [p for p in members if p != self.swarm.peer_id]
+        header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel()}
+        results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
+        refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
+        if not refused:
+            return group
+        for p, res in zip(others, results):
+            if p in refused:
+                silent = isinstance(res, BaseException)
+                self._suspect(p, 3 * self.swarm.config.heartbeat_interval if silent else POLL_SECONDS * 4)
+                log.info("round %d: %s %s the group", round, p[-8:], "did not answer" if silent else "refused")
+        await self._broadcast_abort(group, "member_refused")
+        self._group = None
+        self.metrics.rounds_aborted.labels(reason="member_refused").inc()
+        self._waiting = _Waiting(round, waiting.flat, waiting.weight, asyncio.get_running_loop().create_future())
+        return None
+
+    def _install(self, group: Group) -> None:
+        self._group = group
+        self._group_set.set()
+
+    # ---- all-reduce and vote ----------------------------------------------------------
+
+    async def _allreduce(self, group: Group) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.round_timeout
+        exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
+        own = group.reduced_part(deadline)
+        tasks = [asyncio.ensure_future(c) for c in [own, *exchanges]]
+        try:
+            await _all_or_fail(tasks, group)
+        except WireError as e:
+            raise RoundFailed(e.reason, str(e)) from None
+        vote = digest(group.result, group.id)
+        group.add_vote(group.index, vote)
+        header = {"g": group.id, "digest": vote}
+        others = [p for p in group.members if p != group.me]
+        sends = [asyncio.ensure_future(self._call(p, "vote", header)) for p in others]
+        agreed = asyncio.ensure_future(group.agreed(deadline))
+        try:
+            await _all_or_fail([*sends, agreed], group)
+        except WireError as e:
+            raise RoundFailed(e.reason, str(e)) from None
+        if not agreed.result():
+            raise RoundFailed("digest_mismatch")
+        return group.result
+
+    async def _exchange(self, group: Group, j: int, deadline: float) -> None:
+        """Send our slice of member j's part, receive j's averaged part."""
+        start, end = group.bounds[j]
+        data = group.flat[start:end].numpy().tobytes()
+        peer = group.members[j]
+        loop = asyncio.get_running_loop()
+        _, reader, writer = await self._open(peer, "part")
+        try:
+            header = {"g": group.id, "w": group.weight, "nbytes": len(data), "numel": group.flat.numel()}
+            sent = await write_frame(writer, header)
+            for offset in range(0, len(data), CHUNK_BYTES):
+                sent += await write_frame(writer, {}, data[offset : offset + CHUNK_BYTES])
+            self.metrics.sent_bytes.inc(sent)
+            reply, _ = await read_frame(reader, max(0.1, deadline - loop.time()))
+            if not reply.get("ok"):
+                raise RoundFailed(str(reply.get("reason", "peer_failed"))[:40])
+            averaged = await self._read_payload(reader, len(data), deadline)
+            group.place(j, averaged)
+        finally:
+            await close_writer(writer)
+
+    async def _read_payload(self, reader, nbytes: int, deadline: float) -> bytes:
+        loop = asyncio.get_running_loop()
+        chunks, got = [], 0
+        while got < nbytes:
+            _, payload = await read_frame(reader, max(0.1, deadline - loop.time()), max_payload=CHUNK_BYTES)
+            if not payload or got + len(payload) > nbytes:
+                raise WireError("bad_size", "payload does not add up")
+            chunks.append(payload)
+            got += len(payload)
+        self.metrics.received_bytes.inc(got)
+        return b"".join(chunks)
+
+    async def _broadcast_abort(self, group: Group, reason: str) -> None:
+        others = [p for p in group.members if p != group.me]
+        header = {"g": group.id, "abort": reason[:40]}
+        await asyncio.gather(*(self._call(p, "vote", header, timeout=2.0) for p in others), return_exceptions=True)
+
+    # ---- requests out ------------------------------------------------------------------
+
+    async def _open(self, peer: str, name: str):
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                return await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer), self._names[name])
+        except TimeoutError:
+            raise RoundFailed("unreachable", peer[-8:]) from None
+        except Exception as e:
+            raise RoundFailed("unreachable", f"{peer[-8:]}: {e!r}"[:200]) from None
+
+    async def _call(self, peer: str, name: str, header: dict, timeout: float | None = None):
+        _, reader, writer = await self._open(peer, name)
+        try:
+            self.metrics.sent_bytes.inc(await write_frame(writer, header))
+            return await read_frame(reader, timeout or self.request_timeout)
+        finally:
+            await close_writer(writer)
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def _guard(self, handler):
+        """Wrap a stream handler: count and drop anything malformed, always close the stream."""
+
+        async def run(info, reader, writer):
+            try:
+                header, _ = await read_frame(reader, self.request_timeout)
+                self.metrics.received_bytes.inc(len(header))
+                await handler(info.peer_id.to_base58(), header, reader, writer)
+            except WireError as e:
+                self.swarm.reject(e.reason, str(e))
+            except RoundFailed as e:
+                self.swarm.reject(e.reason, str(e))
+                await _reply(writer, {"ok": False, "reason": e.reason})
+            except (ConnectionError, OSError):
+                pass
+            except Exception as e:  # never let a peer crash the node
+                log.exception("handler failed")
+                self.swarm.reject("handler_error", repr(e))
+            finally:
+                await close_writer(writer)
+
+        return run
+
+    async def _group_for(self, sender: str, header: dict) -> tuple[Group, int]:
+        """The current group named by the header, with the sender's index; refuse strangers."""
+        gid = hfield(header, "g", bytes)
+        deadline = time.monotonic() + self.request_timeout
+        while self._group is None or self._group.id != gid:
+            # A member may hear from another member before the leader's begin reaches it.
+            if time.monotonic() > deadline:
+                raise RoundFailed("unknown_group")
+            self._group_set.clear()
+            try:
+                await asyncio.wait_for(self._group_set.wait(), max(0.01, deadline - time.monotonic()))
+            except TimeoutError:
+                pass
+        group = self._group
+        index = group.member_index(sender)
+        if index is None:
+            raise RoundFailed("not_a_member")
+        return group, index
+
+    async def _on_begin(self, sender: str, header: dict, reader, writer) -> None:
+        round = hfield(header, "r", int)
+        members = hfield(header, "members", list)
+        gid = hfield(header, "g", bytes)
+        numel = hfield(header, "numel", int)
+        waiting = self._waiting
+        if not all(isinstance(m, str) for m in members) or members != sorted(set(members)):
+            raise WireError("bad_members")
+        if sender != members[0] or self.swarm.peer_id not in members:
+            raise RoundFailed("not_a_member")
+        if waiting is None or waiting.round != round or waiting.group.done():
+            await _reply(writer, {"ok": False, "reason": "not_waiting"})
+            return
+        if numel != waiting.flat.numel():
+            raise RoundFailed("bad_size")
+        group = Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight)
+        self._install(group)
+        waiting.group.set_result(group)
+        await _reply(writer, {"ok": True})
+
+    async def _on_part(self, sender: str, header: dict, reader, writer) -> None:
+        group, index = await self._group_for(sender, header)
+        weight = hfield(header, "w", float)
+        nbytes = hfield(header, "nbytes", int)
+        if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.part_numel(group.index) * 4:
+            group.fail("bad_size")
+            raise RoundFailed("bad_size")
+        deadline = asyncio.get_running_loop().time() + self.round_timeout
+        data = await self._read_payload(reader, nbytes, deadline)
+        try:
+            group.add_contribution(index, weight, torch.frombuffer(bytearray(data), dtype=torch.float32))
+        except RoundFailed as e:
+            group.fail(e.reason)
+            raise
+        try:
+            reduced = await group.reduced_part(deadline)
+        except RoundFailed as e:
+            await _reply(writer, {"ok": False, "reason": e.reason})
+            return
+        sent = await write_frame(writer, {"ok": True})
+        for offset in range(0, len(reduced), CHUNK_BYTES):
+            sent += await write_frame(writer, {}, reduced[offset : offset + CHUNK_BYTES])
+        self.metrics.sent_bytes.inc(sent)
+
+    async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
+        group, index = await self._group_for(sender, header)
+        if "abort" in header:
+            group.fail("aborted_by_peer", str(header["abort"])[:40])
+        else:
+            group.add_vote(index, hfield(header, "digest", bytes))
+        await _reply(writer, {"ok": True})
+
+
+class _Behind(Exception):
+    pass
+
+
+async def _reply(writer, header: dict) -> None:
+    try:
+        await write_frame(writer, header)
+    except (ConnectionError, OSError):
+        pass
+
+
+async def _all_or_fail(tasks: list[asyncio.Future], group: Group) -> None:
+    """Await all tasks; on the first failure cancel the rest and fail the group."""
+    try:
+        for fut in asyncio.as_completed(tasks):
+            await fut
+    except BaseException as e:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        reason = e.reason if isinstance(e, (RoundFailed, WireError)) else "error"
+        group.fail(reason, str(e))
+        raise

@@ -1,0 +1,256 @@
+"""The node's place in the swarm: libp2p daemon, Kademlia DHT and the live peer table.
+
+Both run inside the node's own event loop (hivemind's ``DHTNode`` is plain
+asyncio), so the only child process is ``p2pd``, started with
+``PR_SET_PDEATHSIG`` so it dies with the node even after SIGKILL.
+
+Every peer announces itself under one DHT key per run (``gonka:<run>:peers``),
+one subkey per peer id, refreshed every ``heartbeat_interval`` and expiring
+after three intervals. That table is how peers count each other, find donors,
+and compare ``params_hash`` after a round. Entries come from other peers and
+are validated like any other message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import get_dht_time
+from hivemind.p2p import P2P, PeerID
+
+from p2p.config import SwarmConfig
+
+log = logging.getLogger(__name__)
+
+STATES = ("joining", "training", "ready", "averaging", "stopped")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the forked child before exec: deliver SIGKILL when the node dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _children_die_with_us():
+    """hivemind starts p2pd with create_subprocess_exec and offers no hook; add one."""
+    original = asyncio.subprocess.create_subprocess_exec
+
+    async def spawn(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", _die_with_parent)
+        return await original(*args, **kwargs)
+
+    asyncio.subprocess.create_subprocess_exec = spawn
+    try:
+        yield
+    finally:
+        asyncio.subprocess.create_subprocess_exec = original
+
+
+@dataclass(slots=True, frozen=True)
+class PeerRecord:
+    """One validated entry of the live peer table."""
+
+    peer_id: str
+    state: str
+    round: int
+    params_hash: str
+    inner_step: int
+    loss: float | None
+    maddrs: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "state": self.state,
+            "round": self.round,
+            "params_hash": self.params_hash,
+            "inner_step": self.inner_step,
+            "loss": self.loss,
+            "multiaddrs": list(self.maddrs),
+        }
+
+
+def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
+    """Validate a heartbeat entry from the DHT; raise ValueError with a short reason."""
+    if not isinstance(peer_id, str) or not 20 <= len(peer_id) <= 128:
+        raise ValueError("bad_peer_id")
+    if not isinstance(value, dict):
+        raise ValueError("bad_heartbeat")
+    state, rnd, phash = value.get("state"), value.get("round"), value.get("hash")
+    step, loss, maddrs = value.get("step", 0), value.get("loss"), value.get("maddrs", [])
+    if state not in STATES:
+        raise ValueError("bad_heartbeat_state")
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd < 2**53:
+        raise ValueError("bad_heartbeat_round")
+    if not isinstance(phash, str) or len(phash) > 128:
+        raise ValueError("bad_heartbeat_hash")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError("bad_heartbeat_step")
+    if loss is not None and not isinstance(loss, (int, float)):
+        raise ValueError("bad_heartbeat_loss")
+    if not isinstance(maddrs, list) or len(maddrs) > 32 or not all(isinstance(a, str) and len(a) < 512 for a in maddrs):
+        raise ValueError("bad_heartbeat_maddrs")
+    return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs))
+
+
+class Swarm:
+    """libp2p + DHT membership of one run. Create with ``await Swarm.start(...)``."""
+
+    def __init__(self, config: SwarmConfig, run_id: str, p2p: P2P, dht: DHTNode, on_reject: Callable[[str], None]):
+        self.config = config
+        self.run_id = run_id
+        self.p2p = p2p
+        self.dht = dht
+        self.peer_id = p2p.peer_id.to_base58()
+        self.maddrs: list[str] = []
+        self._on_reject = on_reject
+        self._key = f"gonka:{run_id}:peers"
+        self._me: dict[str, Any] = {"state": "joining", "round": 0, "hash": "", "step": 0, "loss": None}
+        self._peers: dict[str, PeerRecord] = {}
+        self._peers_at = 0.0
+        self._heartbeat_task: asyncio.Task | None = None
+        self._publish_now = asyncio.Event()
+        self._logged_rejects: set[str] = set()
+
+    @classmethod
+    async def start(
+        cls, config: SwarmConfig, run_id: str, *, identity_path: str | None, on_reject: Callable[[str], None]
+    ) -> "Swarm":
+        nat = config.nat_traversal
+        with _children_die_with_us():
+            p2p = await P2P.create(
+                initial_peers=config.bootstrap or None,
+                host_maddrs=config.listen,
+                announce_maddrs=config.announce or None,
+                identity_path=identity_path,
+                # DESIGN.md network rules: no UPnP, AutoNAT, relays or IPFS unless asked for.
+                nat_port_map=nat,
+                auto_nat=nat,
+                use_relay=nat,
+                use_auto_relay=nat,
+                use_ipfs=False,
+                startup_timeout=config.request_timeout,
+            )
+        try:
+            dht = await asyncio.wait_for(
+                DHTNode.create(
+                    p2p=p2p,
+                    initial_peers=config.bootstrap or None,
+                    wait_timeout=min(5.0, config.request_timeout),
+                    bootstrap_timeout=config.request_timeout,
+                    cache_locally=False,
+                ),
+                timeout=config.request_timeout * 2,
+            )
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        self = cls(config, run_id, p2p, dht, on_reject)
+        self.maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        return self
+
+    @property
+    def p2pd_pid(self) -> int | None:
+        child = getattr(self.p2p, "_child", None)
+        return child.pid if child is not None else None
+
+    # ---- what this peer announces -------------------------------------------------
+
+    def announce(self, **fields: Any) -> None:
+        """Update this peer's heartbeat (state, round, hash, step, loss) and publish it soon."""
+        self._me.update(fields)
+        self._publish_now.set()
+
+    async def _publish(self, ttl: float | None = None) -> None:
+        value = dict(self._me, maddrs=self.maddrs)
+        ttl = ttl if ttl is not None else 3 * self.config.heartbeat_interval
+        try:
+            await asyncio.wait_for(
+                self.dht.store(self._key, value, get_dht_time() + ttl, subkey=self.peer_id),
+                timeout=self.config.request_timeout,
+            )
+        except Exception as e:  # a missed heartbeat is retried next interval
+            log.debug("heartbeat store failed: %r", e)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._publish()
+            self._publish_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._publish_now.wait(), self.config.heartbeat_interval)
+
+    async def leave(self) -> None:
+        """Stop announcing and tell the swarm we are gone (a short-lived 'stopped' entry)."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        self._me["state"] = "stopped"
+        await self._publish(ttl=self.config.heartbeat_interval)
+
+    async def close(self) -> None:
+        """Leave and shut down DHT and p2pd; collects errors rather than stopping at the first."""
+        errors = []
+        for step in (self.leave, self.dht.shutdown, self.p2p.shutdown):
+            try:
+                await asyncio.wait_for(step(), timeout=self.config.request_timeout)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            log.warning("swarm shutdown: %s", "; ".join(repr(e) for e in errors))
+
+    # ---- what the swarm looks like ----------------------------------------------
+
+    def reject(self, reason: str, detail: str = "") -> None:
+        """Count a refused input from a peer; log each reason once."""
+        self._on_reject(reason)
+        if reason not in self._logged_rejects:
+            self._logged_rejects.add(reason)
+            log.warning("rejected input from a peer (%s) %s", reason, detail)
+
+    async def refresh_peers(self, max_age: float = 0.0) -> dict[str, PeerRecord]:
+        """Read the live peer table from the DHT (cached for ``max_age`` seconds). Excludes self."""
+        if max_age and time.monotonic() - self._peers_at < max_age:
+            return self._peers
+        try:
+            found = await asyncio.wait_for(self.dht.get(self._key, latest=True), timeout=self.config.request_timeout)
+        except Exception as e:
+            log.debug("peer table lookup failed: %r", e)
+            return self._peers
+        peers: dict[str, PeerRecord] = {}
+        entries = found.value if found is not None else {}
+        if not isinstance(entries, dict):
+            self.reject("bad_peer_table")
+            entries = {}
+        for subkey, item in entries.items():
+            if subkey == self.peer_id:
+                continue
+            try:
+                record = parse_peer_record(subkey, getattr(item, "value", None))
+            except ValueError as e:
+                self.reject(str(e))
+                continue
+            if record.state != "stopped":
+                peers[record.peer_id] = record
+        self._peers, self._peers_at = peers, time.monotonic()
+        return peers
+
+    @property
+    def peers(self) -> dict[str, PeerRecord]:
+        """The last peer table read (without self)."""
+        return self._peers
+
+
+def peer_id_from(text: str) -> PeerID:
+    return PeerID.from_base58(text)

@@ -1,0 +1,103 @@
+"""The averaging interface, the only door from the outer algorithm to the network.
+
+The swarm implements ``Averager`` over libp2p; ``InProcessGroup`` implements it
+for k workers inside one process (the simulator and the tests), so the same
+DiLoCo code runs in both and in-process convergence can be trusted for the swarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import torch
+
+
+class Averager(Protocol):
+    async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
+        """Σ w_i t_i / Σ w_i over the round's members, identical for every member;
+        None when the round aborted for this caller (it then applies nothing)."""
+        ...
+
+
+def weighted_average(contributions: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor]:
+    """Σ w_i t_i / Σ w_i, summed in the given order, in float64 then cast back.
+
+    float64 keeps the result exact for a single member (w t / w == t) and makes
+    the sum's rounding negligible next to the fp32 result.
+    """
+    total = sum(w for _, w in contributions)
+    first = contributions[0][0]
+    out = []
+    for i, ref in enumerate(first):
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for tensors, w in contributions:
+            acc += tensors[i].detach().to("cpu", torch.float64) * w
+        out.append((acc / total).to(ref.dtype))
+    return out
+
+
+class _Round:
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.contributions: dict[int, tuple[list[torch.Tensor], float]] = {}
+        self.result: asyncio.Future = asyncio.get_running_loop().create_future()
+
+
+class InProcessGroup:
+    """k in-process members; a round's average is computed once all contributions arrived.
+
+    ``fail`` holds (worker_index, round) pairs: that member's call returns None and
+    the others average without it, as when a peer drops out of a swarm round.
+    """
+
+    def __init__(self, k: int, *, fail: set[tuple[int, int]] | frozenset = frozenset()) -> None:
+        if k < 1:
+            raise ValueError(f"group size must be >= 1 (got {k})")
+        self.k = k
+        self.fail = frozenset(fail)
+        self._rounds: dict[int, _Round] = {}
+        self._done: set[int] = set()
+
+    def member(self, index: int) -> Averager:
+        if not 0 <= index < self.k:
+            raise ValueError(f"member index must be in [0, {self.k}) (got {index})")
+        return _Member(self, index)
+
+    def _expected(self, round: int) -> int:
+        return sum(1 for i in range(self.k) if (i, round) not in self.fail)
+
+    async def _average(self, index: int, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
+        if (index, round) in self.fail or round in self._done:
+            # Injected failure, or a member that arrives after its round committed
+            # (it was not part of it): either way, nothing to apply.
+            await asyncio.sleep(0)
+            return None
+        state = self._rounds.get(round)
+        if state is None:
+            state = self._rounds[round] = _Round(self._expected(round))
+        if index in state.contributions:
+            raise RuntimeError(f"member {index} contributed twice to round {round}")
+        if state.contributions:
+            ref = next(iter(state.contributions.values()))[0]
+            if len(ref) != len(tensors) or any(a.shape != b.shape for a, b in zip(ref, tensors)):
+                raise ValueError(f"member {index} sent tensors that do not match the round's shapes")
+        state.contributions[index] = ([t.detach().clone() for t in tensors], float(weight))
+        if len(state.contributions) == state.expected:
+            ordered = [state.contributions[i] for i in sorted(state.contributions)]
+            # A round where nobody did any work has nothing to average.
+            result = weighted_average(ordered) if sum(w for _, w in ordered) > 0 else None
+            state.result.set_result(result)
+            del self._rounds[round]
+            self._done.add(round)
+        result = await state.result
+        return None if result is None else [t.clone() for t in result]
+
+
+class _Member:
+    def __init__(self, group: InProcessGroup, index: int) -> None:
+        self.group = group
+        self.index = index
+
+    async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
+        return await self.group._average(self.index, tensors, weight, round)

@@ -1,0 +1,257 @@
+"""One DiLoCo worker and the round every peer runs, in the swarm or in the simulator.
+
+The worker holds the swarm-wide state (global parameters θ and outer momentum,
+fp32 on CPU, bit-identical on every peer) next to its local working copy on the
+accelerator with its own AdamW state, which is never averaged. ``run_round`` is
+the whole algorithm: inner steps, pseudo-gradient, average, outer step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import torch
+
+from trainer.averaging import Averager
+from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
+from trainer.data import ShardSampler
+from trainer.model import build_model, context_length
+from trainer.outer import OuterOptimizer
+from trainer.schedule import inner_lr
+
+
+@dataclass
+class InnerStats:
+    steps: int
+    tokens: int
+    mean_loss: float
+    seconds: float
+
+
+def _check_tensors(tensors, like: list[torch.Tensor], key: str) -> None:
+    if not isinstance(tensors, list) or len(tensors) != len(like):
+        raise ValueError(f"{key}: expected a list of {len(like)} tensors")
+    for i, (t, ref) in enumerate(zip(tensors, like)):
+        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
+            raise ValueError(f"{key}: tensor {i} must be {ref.dtype} of shape {tuple(ref.shape)}")
+
+
+class DiLoCoWorker:
+    def __init__(
+        self,
+        *,
+        model: ModelConfig,
+        data: DataConfig,
+        inner: InnerConfig,
+        outer: OuterConfig,
+        corpus: torch.Tensor,
+        shard_key: str,
+        seed: int,
+        device: str = "cpu",
+    ) -> None:
+        self.model_cfg, self.data_cfg, self.inner_cfg = model, data, inner
+        self.device = torch.device(device)
+        self.seq_len = data.seq_len or context_length(model.preset)
+        if self.seq_len > context_length(model.preset):
+            raise ValueError(f"data.seq_len: {self.seq_len} exceeds the {model.preset} context of {context_length(model.preset)}")
+        # Same seed on every peer: the swarm starts from one θ with no download.
+        self.model = build_model(model, seed).to(self.device)
+        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model.parameters()]
+        # Matrices get weight decay; biases and LayerNorm gains do not (GPT-2 practice).
+        params = list(self.model.parameters())
+        self.inner_opt = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=inner.lr,
+            betas=(inner.beta1, inner.beta2),
+            foreach=False,
+        )
+        self.outer_opt = OuterOptimizer(self.global_params, outer)
+        self.sampler = ShardSampler(
+            corpus,
+            shard_key=shard_key,
+            seed=seed,
+            batch_size=data.batch_size,
+            seq_len=self.seq_len,
+            eval_fraction=data.eval_fraction,
+        )
+        self._eval_batches = None
+        self.round = 0
+        self.inner_step = 0
+
+    # -- inner loop -------------------------------------------------------
+
+    def inner_steps(self, n: int, should_stop: Callable[[], bool] | None = None) -> InnerStats:
+        """Up to ``n`` AdamW steps on this worker's shard; blocking."""
+        start = time.perf_counter()
+        self.model.train()
+        losses = []
+        for _ in range(n):
+            if should_stop is not None and should_stop():
+                break
+            x, y = self.sampler.next_batch()
+            lr = inner_lr(self.inner_step, self.inner_cfg)
+            for group in self.inner_opt.param_groups:
+                group["lr"] = lr
+            _, loss = self.model(x.to(self.device), y.to(self.device))
+            self.inner_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.inner_cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner_cfg.grad_clip, foreach=False)
+            self.inner_opt.step()
+            self.inner_step += 1
+            losses.append(loss.item())
+        steps = len(losses)
+        return InnerStats(
+            steps=steps,
+            tokens=steps * self.data_cfg.batch_size * self.seq_len,
+            mean_loss=sum(losses) / steps if steps else float("nan"),
+            seconds=time.perf_counter() - start,
+        )
+
+    # -- outer step -------------------------------------------------------
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """Δ = θ − θ_local, fp32 on CPU."""
+        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.model.parameters())]
+
+    def apply_outer(self, avg_delta: list[torch.Tensor]) -> None:
+        """Outer step on θ with the round's averaged Δ; the local copy restarts from the new θ."""
+        self.outer_opt.step(avg_delta)
+        self.round += 1
+        self.reset_local()
+
+    @torch.no_grad()
+    def reset_local(self) -> None:
+        """Discard local progress: θ_local ← θ (AdamW state stays)."""
+        for g, p in zip(self.global_params, self.model.parameters()):
+            p.copy_(g)
+
+    # -- swarm state --------------------------------------------------------
+
+    def global_state(self) -> dict:
+        """What a joining peer downloads: round, θ and outer momentum (CPU fp32 copies)."""
+        return {
+            "round": self.round,
+            "params": [g.clone() for g in self.global_params],
+            "momentum": [m.detach().to("cpu", torch.float32, copy=True) for m in self.outer_opt.momentum_buffers()],
+        }
+
+    @torch.no_grad()
+    def load_global_state(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise ValueError("global state: expected a dict")
+        rnd = state.get("round")
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
+            raise ValueError("global state: round must be an int >= 0")
+        _check_tensors(state.get("params"), self.global_params, "global state params")
+        _check_tensors(state.get("momentum"), self.global_params, "global state momentum")
+        for g, t in zip(self.global_params, state["params"]):
+            g.copy_(t)
+        # The momentum exists once any outer step was taken, i.e. from round 1.
+        self.outer_opt.load_state_dict({"steps": rnd, "momentum": state["momentum"]})
+        self.round = rnd
+        self.reset_local()
+
+    def params_hash(self) -> str:
+        """blake2b of θ's shapes and raw bytes: equal iff θ is bit-identical."""
+        h = hashlib.blake2b(digest_size=16)
+        for g in self.global_params:
+            h.update(repr(tuple(g.shape)).encode())
+            h.update(g.contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(g.shape) for g in self.global_params]
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Mean loss of θ (not the local copy) on the held-out batches."""
+        if self._eval_batches is None:
+            self._eval_batches = self.sampler.eval_batches(self.data_cfg.eval_batches)
+        params = list(self.model.parameters())
+        saved = [p.detach().clone() for p in params]
+        was_training = self.model.training
+        self.reset_local()
+        self.model.eval()
+        try:
+            losses = [self.model(x.to(self.device), y.to(self.device))[1].item() for x, y in self._eval_batches]
+        finally:
+            for p, s in zip(params, saved):
+                p.copy_(s)
+            self.model.train(was_training)
+        return sum(losses) / len(losses)
+
+    # -- checkpoint -----------------------------------------------------------
+
+    def _config_echo(self) -> dict:
+        return {"preset": self.model_cfg.preset, "seq_len": self.seq_len, "batch_size": self.data_cfg.batch_size}
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume this worker exactly (loadable with weights_only=True)."""
+        state = {
+            "config": self._config_echo(),
+            "round": self.round,
+            "inner_step": self.inner_step,
+            "global_params": [g.clone() for g in self.global_params],
+            "outer": self.outer_opt.state_dict(),
+            "local_params": [p.detach().to("cpu", copy=True) for p in self.model.parameters()],
+            "inner_opt": self.inner_opt.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+        }
+        if self.device.type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, d: dict) -> None:
+        if not isinstance(d, dict):
+            raise ValueError("checkpoint: expected a dict")
+        echo = d.get("config")
+        if echo != self._config_echo():
+            raise ValueError(f"checkpoint: written for {echo}, this worker is {self._config_echo()}")
+        for key in ("round", "inner_step"):
+            if not isinstance(d.get(key), int) or d[key] < 0:
+                raise ValueError(f"checkpoint: {key} must be an int >= 0")
+        _check_tensors(d.get("global_params"), self.global_params, "checkpoint global_params")
+        _check_tensors(d.get("local_params"), self.global_params, "checkpoint local_params")
+        self.outer_opt.load_state_dict(d.get("outer"))
+        self.inner_opt.load_state_dict(d.get("inner_opt"))
+        self.sampler.load_state_dict(d.get("sampler"))
+        for g, t in zip(self.global_params, d["global_params"]):
+            g.copy_(t)
+        for p, t in zip(self.model.parameters(), d["local_params"]):
+            p.copy_(t)
+        torch.set_rng_state(d["rng_cpu"])
+        if "rng_cuda" in d and self.device.type == "cuda":
+            torch.cuda.set_rng_state(d["rng_cuda"], self.device)
+        self.round = d["round"]
+        self.inner_step = d["inner_step"]
+
+
+async def run_round(
+    worker: DiLoCoWorker,
+    averager: Averager,
+    steps: int,
+    *,
+    run_blocking: Callable[..., Awaitable] | None = None,
+) -> tuple[InnerStats, bool]:
+    """One DiLoCo round; returns the inner stats and whether the round committed."""
+    if run_blocking is None:
+        stats = worker.inner_steps(steps)
+    else:
+        stats = await run_blocking(worker.inner_steps, steps)
+    delta = worker.pseudo_gradient()
+    avg = await averager.average(delta, weight=float(stats.tokens), round=worker.round)
+    if avg is None:
+        worker.reset_local()
+        return stats, False
+    worker.apply_outer(avg)
+    return stats, True
