@@ -1,0 +1,242 @@
+"""The daemon behind `gonka-node start`: one owner of the node's lifecycle.
+
+Start order: data and model (fail fast on bad input), identity, metrics,
+control socket, swarm (p2pd + DHT), round protocol, state server, training
+loop. Stop order is the reverse, after a final checkpoint; cleanup collects
+errors instead of stopping at the first. SIGINT/SIGTERM abandon the current
+inner step or round and stop cleanly with exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+
+import torch
+
+from node.config import Config
+from node.status import Status, write_status_file
+
+log = logging.getLogger("gonka.node")
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A user-supplied value turned out unusable at start-up (exit 2)."""
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("gonka-node")
+    except Exception:
+        return "0.1.0+unknown"
+
+
+def run_node(config: Config) -> int:
+    """Run a node until it stops; returns the process exit code."""
+    import uvloop
+
+    try:
+        return uvloop.run(Node(config).run())
+    except UsageError as e:
+        print(f"gonka-node: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("node.device: cuda requested but no CUDA device is available")
+    return name
+
+
+class Node:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.status = Status(run_id=config.node.run_id, version=version())
+        self.metrics = None
+        self.control = None
+        self.swarm = None
+        self.loop_ = None
+        self.worker = None
+
+    async def run(self) -> int:
+        cfg = self.config
+        try:
+            await self.start()
+        except UsageError:
+            await self.close()
+            raise
+        except ValueError as e:  # config-shaped errors from components: "section.key: ..."
+            await self.close()
+            raise UsageError(str(e)) from None
+        except Exception as e:
+            log.error("start-up failed: %s", e)
+            await self.close()
+            return EXIT_RUNTIME
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        code = EXIT_OK
+        try:
+            print(f"gonka-node {self.status.version} peer {self.swarm.peer_id} run {cfg.node.run_id}", flush=True)
+            for addr in self.swarm.maddrs:
+                print(f"listening on {addr}", flush=True)
+            await self.loop_.run()
+        except Exception:
+            log.exception("training loop failed")
+            code = EXIT_RUNTIME
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await self.close()
+        return code
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("%s received: stopping after a final checkpoint", signal.Signals(sig).name)
+        self.loop_.request_stop()
+
+    # ---- start -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from node.control import ControlServer
+        from node.loop import TrainingLoop
+        from node.metrics import NodeMetrics
+        from p2p.identity import load_or_create_identity
+        from p2p.rounds import RoundProtocol
+        from p2p.swarm import Swarm
+        from p2p.transfer import StateServer
+        from trainer.checkpoint import load_checkpoint
+        from trainer.data import load_corpus
+        from trainer.diloco import DiLoCoWorker
+
+        cfg = self.config
+        if cfg.node.threads:
+            torch.set_num_threads(cfg.node.threads)
+        device = resolve_device(cfg.node.device)
+        corpus = await asyncio.to_thread(load_corpus, cfg.data.paths)
+        checkpoint = await asyncio.to_thread(load_checkpoint, cfg.node.checkpoint_dir) if cfg.node.checkpoint_dir else None
+        if checkpoint is not None and checkpoint.get("run_id") != cfg.node.run_id:
+            raise UsageError(f"node.checkpoint_dir: holds run {checkpoint.get('run_id')!r}, not {cfg.node.run_id!r}")
+        identity = cfg.node.identity or None
+        if identity:
+            load_or_create_identity(identity)
+
+        self.metrics = NodeMetrics()
+        if cfg.node.metrics_addr != "off":
+            try:
+                self.metrics.start(cfg.node.metrics_addr)
+            except OSError as e:
+                raise UsageError(f"node.metrics_addr: cannot listen on {cfg.node.metrics_addr}: {e.strerror or e}")
+        control_path = cfg.node.control_path()
+        if control_path:
+            self.control = ControlServer(control_path, {"status": self._status, "peers": self._peers})
+            try:
+                await self.control.start()
+            except RuntimeError as e:
+                self.control = None
+                raise UsageError(str(e))
+
+        self.swarm = await Swarm.start(
+            cfg.swarm, cfg.node.run_id, identity_path=identity,
+            on_reject=lambda reason: self.metrics.rejected_messages.labels(reason=reason).inc(),
+        )
+        self.status.peer_id = self.swarm.peer_id
+        self.status.multiaddrs = list(self.swarm.maddrs)
+        self.metrics.set_info(self.swarm.peer_id, cfg.node.run_id, self.status.version)
+
+        self.worker = await asyncio.to_thread(
+            lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
+                                 shard_key=self.swarm.peer_id, seed=cfg.node.seed, device=device)
+        )
+        rounds = RoundProtocol(self.swarm, self.metrics)
+        server = StateServer(self.swarm, self.metrics)
+        self.loop_ = TrainingLoop(worker=self.worker, swarm=self.swarm, rounds=rounds, server=server,
+                                  metrics=self.metrics, status=self.status, inner_steps=cfg.inner.steps,
+                                  max_rounds=cfg.node.max_rounds, on_commit=self.after_commit)
+        if checkpoint is not None:
+            self.worker.load_state_dict(checkpoint["worker"])
+            self.loop_.round_step = int(checkpoint.get("round_step", 0))
+            log.info("resumed from %s at round %d (inner step %d)", cfg.node.checkpoint_dir,
+                     self.worker.round, self.worker.inner_step)
+        self.metrics.round.set(self.worker.round)
+        await rounds.start()
+        await server.start()
+
+    # ---- after each commit and on stop ----------------------------------------------
+
+    async def after_commit(self) -> None:
+        await self.checkpoint()
+        self.write_status()
+
+    async def checkpoint(self) -> None:
+        if not self.config.node.checkpoint_dir or self.worker is None:
+            return
+        from trainer.checkpoint import save_checkpoint
+
+        started = time.monotonic()
+        state = {"run_id": self.config.node.run_id, "round_step": self.loop_.round_step,
+                 "worker": self.worker.state_dict()}
+        await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+
+    def write_status(self) -> None:
+        if self.swarm is not None:
+            self.status.peers = 1 + len(self.swarm.peers)
+            self.metrics.peers.set(self.status.peers)
+        if self.config.node.status_file:
+            try:
+                write_status_file(self.config.node.status_file, self.status)
+            except OSError as e:
+                log.warning("cannot write status file: %s", e)
+
+    async def _status(self) -> dict:
+        if self.swarm is not None:
+            await self.swarm.refresh_peers(max_age=1.0)
+        self.write_status()
+        return self.status.to_json()
+
+    async def _peers(self) -> list[dict]:
+        peers = await self.swarm.refresh_peers(max_age=1.0) if self.swarm else {}
+        me = {"peer_id": self.status.peer_id, "state": self.status.state, "round": self.status.round,
+              "params_hash": self.status.params_hash, "inner_step": self.status.inner_step,
+              "loss": self.status.loss, "multiaddrs": self.status.multiaddrs, "self": True}
+        return [me] + [dict(r.to_json(), self=False) for r in peers.values()]
+
+    # ---- stop ------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Final checkpoint, leave the swarm, close everything; collect errors."""
+        errors = []
+        steps = []
+        if self.loop_ is not None:
+            steps.append(("checkpoint", self.checkpoint))
+        if self.swarm is not None:
+            steps.append(("swarm", self.swarm.close))
+        if self.control is not None:
+            steps.append(("control", self.control.close))
+        for name, step in steps:
+            try:
+                await step()
+            except Exception as e:
+                errors.append(f"{name}: {e!r}")
+        self.status.state = "stopped"
+        if self.loop_ is not None:
+            with contextlib.suppress(Exception):
+                self.write_status()
+        if self.metrics is not None:
+            with contextlib.suppress(Exception):
+                self.metrics.close()
+        for e in errors:
+            log.warning("shutdown: %s", e)

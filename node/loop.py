@@ -1,0 +1,223 @@
+"""The node's training loop: inner steps, one swarm round, commit or re-sync, checkpoint.
+
+Read it top to bottom: ``run`` is the whole algorithm of DESIGN.md as one
+peer sees it. Heavy work (inner steps, the outer step, evaluation) runs in a
+worker thread so the event loop keeps serving the swarm meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+
+from node.status import Status
+from p2p.rounds import RoundProtocol
+from p2p.swarm import PeerRecord, Swarm
+from p2p.transfer import Snapshot, StateDownload, StateServer, pick_target
+from trainer.diloco import DiLoCoWorker
+
+log = logging.getLogger("gonka.node")
+
+RETRY_SECONDS = 0.5
+
+
+class TrainingLoop:
+    def __init__(self, *, worker: DiLoCoWorker, swarm: Swarm, rounds: RoundProtocol, server: StateServer,
+                 metrics, status: Status, inner_steps: int, max_rounds: int, on_commit) -> None:
+        self.worker = worker
+        self.swarm = swarm
+        self.rounds = rounds
+        self.server = server
+        self.metrics = metrics
+        self.status = status
+        self.inner_steps = inner_steps
+        self.max_rounds = max_rounds
+        self.on_commit = on_commit  # async callback: checkpoint + status file
+        self.stop_requested = asyncio.Event()
+        self.stop_flag = threading.Event()  # seen by the inner-step thread
+        # Inner steps already taken in the current round (non-zero after resuming mid-round).
+        self.round_step = 0
+
+    def request_stop(self) -> None:
+        self.stop_flag.set()
+        self.stop_requested.set()
+
+    def done(self) -> bool:
+        return self.stop_requested.is_set() or (self.max_rounds > 0 and self.worker.round >= self.max_rounds)
+
+    async def run(self) -> None:
+        await self.publish_state()
+        await self.join()
+        while not self.done():
+            self.set_state("training")
+            stats = await asyncio.to_thread(self.worker.inner_steps, self.inner_steps - self.round_step, self.stop_flag.is_set)
+            self.round_step += stats.steps
+            self.record_inner(stats)
+            if self.stop_requested.is_set():
+                break
+            await self.check_consistency()
+            if self.round_step == 0:  # a re-sync discarded this round's work
+                continue
+            delta = await asyncio.to_thread(self.worker.pseudo_gradient)
+            # Weight = tokens this peer trained on in the round (DiLoCo's token-weighted average).
+            await self.average_until_settled(delta, float(self.round_step * self.tokens_per_step))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.worker.data_cfg.batch_size * self.worker.seq_len
+
+    # ---- one round -----------------------------------------------------------------------
+
+    async def average_until_settled(self, delta, weight: float) -> None:
+        """Average until the round commits, the swarm moves past us, or we are told to stop."""
+        r = self.worker.round
+        while not self.stop_requested.is_set():
+            avg = await self.unless_stopped(self.rounds.average(delta, weight, r))
+            outcome = self.rounds.last
+            if avg is not None:
+                await self.commit(avg)
+                return
+            if self.stop_requested.is_set():
+                return
+            if outcome.status == "behind":
+                await self.resync("behind")
+                return
+            self.metrics.rounds_aborted.labels(reason=outcome.reason or "unknown").inc()
+            log.info("round %d aborted (%s); retrying with the survivors", r + 1, outcome.reason)
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def commit(self, avg) -> None:
+        members = len(self.rounds.last.members)
+        eval_loss = await asyncio.to_thread(self._apply_and_eval, avg)
+        self.round_step = 0
+        self.metrics.rounds.inc()
+        self.metrics.round.set(self.worker.round)
+        self.metrics.eval_loss.set(eval_loss)
+        self.status.eval_loss = eval_loss
+        self.status.last_round_members = members
+        await self.publish_state()
+        log.info("committed round=%d hash=%s members=%d loss=%.4f eval_loss=%.4f allreduce=%.3fs",
+                 self.worker.round, self.status.params_hash, members, self.status.loss or float("nan"),
+                 eval_loss, self.rounds.last.allreduce_seconds)
+        await self.on_commit()
+
+    def _apply_and_eval(self, avg) -> float:
+        self.worker.apply_outer(avg)
+        return self.worker.eval_loss()
+
+    async def unless_stopped(self, coro):
+        """Run coro, but abandon it (cancel) as soon as a stop is requested."""
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+        return task.result()
+
+    # ---- joining and staying consistent ---------------------------------------------------
+
+    async def join(self) -> None:
+        """Before training: if the swarm holds a newer or different state, download it."""
+        if not self.swarm.config.bootstrap:
+            return
+        deadline = time.monotonic() + max(3 * self.swarm.config.heartbeat_interval, 5.0)
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            target = pick_target(await self.swarm.refresh_peers())
+            if target is not None:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            log.warning("no live peer announced itself yet; starting from this node's own state")
+            return
+        round, params_hash, _ = target
+        if (round, params_hash) != (self.worker.round, self.status.params_hash):
+            await self.resync("join")
+
+    async def check_consistency(self) -> None:
+        """After a commit: if most peers of our round hold other parameters, or the swarm is
+        ahead of us, fetch the majority's state."""
+        peers = await self.swarm.refresh_peers()
+        target = self.majority(peers)
+        if target is None:
+            return
+        round, params_hash = target
+        if round > self.worker.round or (round == self.worker.round and params_hash != self.status.params_hash):
+            await self.resync("diverged" if round == self.worker.round else "behind")
+
+    def majority(self, peers: dict[str, PeerRecord]) -> tuple[int, str] | None:
+        votes = Counter((r.round, r.params_hash) for r in peers.values() if r.state != "joining" and r.params_hash)
+        votes[(self.worker.round, self.status.params_hash)] += 1
+        newest = max(rnd for rnd, _ in votes)
+        ranked = sorted(((-n, h) for (rnd, h), n in votes.items() if rnd == newest))
+        return newest, ranked[0][1]
+
+    async def resync(self, reason: str) -> None:
+        """Replace our global state with the swarm's; local progress of this round is dropped."""
+        for attempt in range(3):
+            target = pick_target(await self.swarm.refresh_peers())
+            if target is None:
+                log.warning("re-sync (%s): no donor available", reason)
+                return
+            round, params_hash, donors = target
+            self.set_state("joining")
+            try:
+                snap = await StateDownload(self.swarm, self.metrics, self.server.name).run(
+                    round, params_hash, donors, [list(s) for s in self.worker.state_shapes()]
+                )
+                ok = await asyncio.to_thread(self._load_verified, snap)
+            except (RuntimeError, ValueError) as e:
+                log.warning("state download failed: %s", e)
+                ok = False
+            self.metrics.state_downloads.labels(result="ok" if ok else "failed").inc()
+            if ok:
+                self.metrics.resyncs.labels(reason=reason).inc()
+                self.metrics.round.set(self.worker.round)
+                self.round_step = 0
+                await self.publish_state()
+                log.info("resynced round=%d hash=%s reason=%s donors=%d", self.worker.round, self.status.params_hash,
+                         reason, len(donors))
+                await self.on_commit()
+                return
+            await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
+
+    def _load_verified(self, snap: Snapshot) -> bool:
+        backup = self.worker.global_state()
+        self.worker.load_global_state(snap.unpack())
+        if self.worker.params_hash() != snap.params_hash:
+            log.warning("downloaded state does not hash to %s; keeping ours", snap.params_hash[:12])
+            self.worker.load_global_state(backup)
+            return False
+        return True
+
+    # ---- what others see ---------------------------------------------------------------------
+
+    def set_state(self, state: str) -> None:
+        self.status.state = state
+        self.swarm.announce(state=state, round=self.worker.round)
+
+    async def publish_state(self) -> None:
+        """After the global state changed: new hash, new snapshot for joiners, new heartbeat."""
+        w = self.worker
+        params_hash = await asyncio.to_thread(w.params_hash)
+        gs = w.global_state()
+        self.server.snapshot = await asyncio.to_thread(Snapshot.build, gs["round"], params_hash, gs["params"], gs["momentum"])
+        self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
+        self.swarm.announce(round=w.round, hash=params_hash, step=w.inner_step, loss=self.status.loss)
+
+    def record_inner(self, stats) -> None:
+        if stats.steps:
+            self.metrics.inner_steps.inc(stats.steps)
+            self.metrics.tokens.inc(stats.tokens)
+            self.metrics.loss.set(stats.mean_loss)
+            self.metrics.inner_step_seconds.observe(stats.seconds / stats.steps)
+            self.status.loss = stats.mean_loss
+        self.status.inner_step = self.worker.inner_step
+        self.swarm.announce(step=self.worker.inner_step, loss=self.status.loss)
