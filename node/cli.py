@@ -120,7 +120,7 @@ def _start_overrides(args: argparse.Namespace) -> tuple[dict[str, object], dict[
         if not eq or not key.strip():
             raise UsageError(f"argument --set: expected SECTION.KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value
-        flag_of[key.strip()] = f"--set {key.strip()}"
+        flag_of[key.strip()] = "--set"
     # Named flags win over --set: they are the more specific request.
     for flag, key, _ in START_FLAGS:
         dest = flag.lstrip("-").replace("-", "_")
@@ -163,7 +163,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         return 1
     except Exception as exc:
         logging.getLogger(PROG).exception("node failed")
-        _fail(f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc))
+        _fail(str(exc) or type(exc).__name__)
         return 1
 
 

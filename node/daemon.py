@@ -69,25 +69,31 @@ class Node:
         self.swarm = None
         self.loop_ = None
         self.worker = None
+        self._stop_early = False  # a signal arrived before the training loop existed
 
     async def run(self) -> int:
         cfg = self.config
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             await self.start()
         except UsageError:
             await self.close()
+            self._remove_signal_handlers()
             raise
         except ValueError as e:  # config-shaped errors from components: "section.key: ..."
             await self.close()
+            self._remove_signal_handlers()
             raise UsageError(str(e)) from None
         except Exception as e:
             log.error("start-up failed: %s", e)
             await self.close()
+            self._remove_signal_handlers()
             return EXIT_RUNTIME
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
         code = EXIT_OK
+        if self._stop_early:
+            self.loop_.request_stop()
         try:
             print(f"gonka-node {self.status.version} peer {self.swarm.peer_id} run {cfg.node.run_id}", flush=True)
             for addr in self.swarm.maddrs:
@@ -97,14 +103,20 @@ class Node:
             log.exception("training loop failed")
             code = EXIT_RUNTIME
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
             await self.close()
+            self._remove_signal_handlers()
         return code
+
+    def _remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: int) -> None:
         log.info("%s received: stopping after a final checkpoint", signal.Signals(sig).name)
-        self.loop_.request_stop()
+        self._stop_early = True
+        if self.loop_ is not None:
+            self.loop_.request_stop()
 
     # ---- start -------------------------------------------------------------------
 
@@ -136,8 +148,8 @@ class Node:
         if cfg.node.metrics_addr != "off":
             try:
                 self.metrics.start(cfg.node.metrics_addr)
-            except OSError as e:
-                raise UsageError(f"node.metrics_addr: cannot listen on {cfg.node.metrics_addr}: {e.strerror or e}")
+            except (OSError, RuntimeError) as e:
+                raise UsageError(str(e) if str(e).startswith("node.") else f"node.metrics_addr: {e}")
         control_path = cfg.node.control_path()
         if control_path:
             self.control = ControlServer(control_path, {"status": self._status, "peers": self._peers})

@@ -41,6 +41,21 @@ def save_checkpoint(directory: str, state: dict) -> str:
     return path
 
 
+def _reason(error: Exception) -> str:
+    """One line saying what broke; torch's weights-only errors are a page of advice
+    (including "retry with weights_only=False", exactly what must not be done here)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        detail = [
+            line.split("WeightsUnpickler error:")[-1].strip()
+            for line in lines[1:]
+            if not line.startswith("Check the documentation")
+        ]
+        detail = [d for d in detail if d]
+        return "not a checkpoint of plain tensors and containers" + (f" ({detail[0]})" if detail else "")
+    return f"{type(error).__name__}: {lines[0]}" if lines else f"{type(error).__name__} (truncated or empty file?)"
+
+
 def load_checkpoint(directory: str) -> dict | None:
     """The state in ``directory/latest.pt``, or None when there is none yet."""
     path = os.path.join(directory, LATEST)
@@ -49,9 +64,7 @@ def load_checkpoint(directory: str) -> dict | None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        # torch's unpickling errors run to many lines; the first one says what broke.
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"node.checkpoint_dir: cannot load {path}: {reason}") from e
+        raise ValueError(f"node.checkpoint_dir: cannot load {path}: {_reason(e)}") from e
     if not isinstance(state, dict):
         raise ValueError(f"node.checkpoint_dir: cannot load {path}: not a checkpoint (got {type(state).__name__})")
     return state

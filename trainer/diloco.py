@@ -40,6 +40,8 @@ def _check_tensors(tensors, like: list[torch.Tensor], key: str) -> None:
 
 
 class DiLoCoWorker:
+    """Global state θ and momentum, plus this peer's local model, AdamW and data stream."""
+
     def __init__(
         self,
         *,
@@ -69,7 +71,8 @@ class DiLoCoWorker:
             ],
             lr=inner.lr,
             betas=(inner.beta1, inner.beta2),
-            foreach=False,
+            # The per-tensor loop on CPU (where foreach buys nothing); batched kernels on GPUs.
+            foreach=self.device.type == "cuda",
         )
         self.outer_opt = OuterOptimizer(self.global_params, outer)
         self.sampler = ShardSampler(
@@ -102,7 +105,7 @@ class DiLoCoWorker:
             self.inner_opt.zero_grad(set_to_none=True)
             loss.backward()
             if self.inner_cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner_cfg.grad_clip, foreach=False)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner_cfg.grad_clip)
             self.inner_opt.step()
             self.inner_step += 1
             losses.append(loss.item())
@@ -222,6 +225,8 @@ class DiLoCoWorker:
                 raise ValueError(f"checkpoint: {key} must be an int >= 0")
         _check_tensors(d.get("global_params"), self.global_params, "checkpoint global_params")
         _check_tensors(d.get("local_params"), self.global_params, "checkpoint local_params")
+        if not isinstance(d.get("rng_cpu"), torch.Tensor) or d["rng_cpu"].dtype != torch.uint8:
+            raise ValueError("checkpoint: rng_cpu must be a uint8 tensor")
         self.outer_opt.load_state_dict(d.get("outer"))
         self.inner_opt.load_state_dict(d.get("inner_opt"))
         self.sampler.load_state_dict(d.get("sampler"))

@@ -51,7 +51,7 @@ def test_bad_usage_is_one_line_and_exit_2(args, env, names):
     assert_usage_error(run(*args, env=env), *names)
 
 
-def test_print_config(tmp_path):
+def test_print_config(tmp_path, capsys, monkeypatch):
     config = tmp_path / "c.toml"
     config.write_text('[inner]\nsteps = 3\nlr = 0.002\n[swarm]\nbootstrap = ["/ip4/127.0.0.1/tcp/1"]\n')
     result = run(
@@ -77,7 +77,15 @@ def test_print_config(tmp_path):
     # The printed config is itself a valid config file.
     again = tmp_path / "again.toml"
     again.write_text(out)
-    assert run("start", "--config", str(again), "--print-config").stdout == out
+    # In-process, to keep the test fast: the subprocess path is covered above.
+    from node.cli import main
+
+    for var in [v for v in os.environ if v.startswith("GONKA_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("GONKA_NODE_RUN_ID", "envrun")
+    capsys.readouterr()
+    assert main(["start", "--config", str(again), "--print-config"]) == 0
+    assert capsys.readouterr().out == out
 
 
 def test_version():
@@ -104,7 +112,7 @@ def test_status_without_node_is_exit_1():
     assert lines[0].startswith("gonka-node: error: no node answering on /nonexistent.sock: ")
 
 
-def test_identity_command(tmp_path):
+def test_identity_command(tmp_path, capsys):
     path = tmp_path / "id.key"
     first = run("identity", "--identity", str(path))
     assert first.returncode == 0, first.stderr
@@ -116,7 +124,13 @@ def test_identity_command(tmp_path):
     assert ephemeral.stdout.strip() and ephemeral.stdout != first.stdout
     assert "ephemeral" in ephemeral.stderr
     path.write_bytes(b"junk")
-    assert_usage_error(run("identity", "--identity", str(path)), "node.identity")
+    from node.cli import main
+
+    capsys.readouterr()
+    assert main(["identity", "--identity", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("gonka-node: error: node.identity: "), err
+    assert path.read_bytes() == b"junk"
 
 
 def test_status_and_peers_against_a_live_server(tmp_path):

@@ -1,0 +1,41 @@
+"""Signals: SIGTERM stops cleanly; neither SIGTERM nor SIGKILL leaves a child behind;
+p2pd runs with UPnP, AutoNAT and relays off."""
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.integration.nodes import alive, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def _p2pd(node) -> int:
+    pids = wait_until(node.p2pd_pids, 60, "p2pd to start")
+    assert len(pids) == 1
+    return pids[0]
+
+
+def test_sigterm_stops_cleanly_and_takes_children_along(nodes):
+    node = nodes("term", "--inner-steps", "1000")
+    node.address()
+    p2pd = _p2pd(node)
+    args = Path(f"/proc/{p2pd}/cmdline").read_bytes().split(b"\0")
+    # DESIGN.md network rules: nothing beyond the addresses we are given.
+    for flag in (b"-natPortMap=0", b"-autonat=0", b"-relay=0", b"-b=0"):
+        assert flag in args, args
+    assert any(a.startswith(b"-hostAddrs=/ip4/127.0.0.1/") for a in args), args
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.wait_exit(60) == 0, node.log()[-3000:]
+    wait_until(lambda: not alive(p2pd), 10, "p2pd to exit")
+    assert node.status()["state"] == "stopped"
+
+
+def test_sigkill_leaves_no_child_behind(nodes):
+    node = nodes("kill", "--inner-steps", "1000")
+    node.address()
+    p2pd = _p2pd(node)
+    node.proc.send_signal(signal.SIGKILL)
+    node.wait_exit(30)
+    wait_until(lambda: not alive(p2pd), 10, "p2pd to die with its node")

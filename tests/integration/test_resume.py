@@ -1,0 +1,38 @@
+"""A node stopped (cleanly or with SIGKILL) and restarted from its checkpoint ends in
+the same state as a node that never stopped."""
+
+import signal
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def test_resume_equals_never_stopping(nodes, tmp_path):
+    key = str(tmp_path / "identity.key")  # same peer id -> same data shard
+    base = ["--inner-steps", "6", "--identity", key]
+
+    straight = nodes("straight", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c0"))
+    assert straight.wait_exit(120) == 0, straight.log()[-3000:]
+    expected = straight.status()
+
+    # Clean stop after round 2, then resume to round 4.
+    first = nodes("part1", *base, "--max-rounds", "2", "--checkpoint-dir", str(tmp_path / "c1"))
+    assert first.wait_exit(120) == 0, first.log()[-3000:]
+    second = nodes("part2", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c1"))
+    assert second.wait_exit(120) == 0, second.log()[-3000:]
+    assert "resumed from" in second.log()
+
+    # SIGKILL right after round 2 committed (somewhere in round 3), then resume to round 4.
+    victim = nodes("victim", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
+    victim.wait_round(2, timeout=120)
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.wait_exit(30)
+    revived = nodes("revived", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
+    assert revived.wait_exit(120) == 0, revived.log()[-3000:]
+
+    for resumed in (second, revived):
+        got = resumed.status()
+        assert (got["round"], got["params_hash"], got["inner_step"]) == (
+            expected["round"], expected["params_hash"], expected["inner_step"])
+        assert got["loss"] == expected["loss"]
