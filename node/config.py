@@ -23,10 +23,7 @@ from typing import Any
 from p2p.config import SwarmConfig
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, require
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+import tomllib
 
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -98,6 +98,9 @@ class Node:
             print(f"gonka-node {self.status.version} peer {self.swarm.peer_id} run {cfg.node.run_id}", flush=True)
             for addr in self.swarm.maddrs:
                 print(f"listening on {addr}", flush=True)
+            if self.metrics.bound_port is not None:
+                host = cfg.node.metrics_addr.rsplit(":", 1)[0]
+                print(f"metrics on http://{host}:{self.metrics.bound_port}/metrics", flush=True)
             await self.loop_.run()
         except Exception:
             log.exception("training loop failed")

@@ -99,7 +99,8 @@ class Group:
                 raise RoundFailed("timeout")
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
         if self.failure is not None:

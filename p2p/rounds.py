@@ -143,7 +143,8 @@ class RoundProtocol:
             training = [p for p, r in peers.items() if r.round == round and r.state == "training"]
             leader = ready[0]
             timed_out = time.monotonic() - started > self.gather_timeout
-            if leader == self.swarm.peer_id and len(ready) >= self.min_peers and (not training or timed_out):
+            can_lead = self.swarm.table_fresh or timed_out
+            if leader == self.swarm.peer_id and can_lead and len(ready) >= self.min_peers and (not training or timed_out):
                 group = await self._lead(round, ready)
                 if group is not None:
                     return group
@@ -153,7 +154,8 @@ class RoundProtocol:
                     log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
                     self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout)
             try:
-                return await asyncio.wait_for(asyncio.shield(self._waiting.group), POLL_SECONDS)
+                async with asyncio.timeout(POLL_SECONDS):
+                    return await asyncio.shield(self._waiting.group)
             except TimeoutError:
                 continue
 
@@ -304,7 +306,8 @@ class RoundProtocol:
                 raise RoundFailed("unknown_group")
             self._group_set.clear()
             try:
-                await asyncio.wait_for(self._group_set.wait(), max(0.01, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
+                    await self._group_set.wait()
             except TimeoutError:
                 pass
         group = self._group

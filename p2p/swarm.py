@@ -117,6 +117,8 @@ class Swarm:
         self._me: dict[str, Any] = {"state": "joining", "round": 0, "hash": "", "step": 0, "loss": None}
         self._peers: dict[str, PeerRecord] = {}
         self._peers_at = 0.0
+        # False after a failed lookup: the table may be stale, don't act on it alone.
+        self.table_fresh = False
         self._heartbeat_task: asyncio.Task | None = None
         self._publish_now = asyncio.Event()
         self._logged_rejects: set[str] = set()
@@ -141,16 +143,15 @@ class Swarm:
                 startup_timeout=config.request_timeout,
             )
         try:
-            dht = await asyncio.wait_for(
-                DHTNode.create(
+            async with asyncio.timeout(config.request_timeout * 2):
+                dht = await DHTNode.create(
                     p2p=p2p,
                     initial_peers=config.bootstrap or None,
-                    wait_timeout=min(5.0, config.request_timeout),
+                    # One silent DHT peer must not use up a whole lookup's budget.
+                    wait_timeout=min(3.0, config.request_timeout / 2),
                     bootstrap_timeout=config.request_timeout,
                     cache_locally=False,
-                ),
-                timeout=config.request_timeout * 2,
-            )
+                )
         except BaseException:
             await p2p.shutdown()
             raise
@@ -175,10 +176,8 @@ class Swarm:
         value = dict(self._me, maddrs=self.maddrs)
         ttl = ttl if ttl is not None else 3 * self.config.heartbeat_interval
         try:
-            await asyncio.wait_for(
-                self.dht.store(self._key, value, get_dht_time() + ttl, subkey=self.peer_id),
-                timeout=self.config.request_timeout,
-            )
+            async with asyncio.timeout(self.config.request_timeout):
+                await self.dht.store(self._key, value, get_dht_time() + ttl, subkey=self.peer_id)
         except Exception as e:  # a missed heartbeat is retried next interval
             log.debug("heartbeat store failed: %r", e)
 
@@ -186,15 +185,18 @@ class Swarm:
         while True:
             await self._publish()
             self._publish_now.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._publish_now.wait(), self.config.heartbeat_interval)
+                async with asyncio.timeout(self.config.heartbeat_interval):
+                    await self._publish_now.wait()
 
     async def leave(self) -> None:
         """Stop announcing and tell the swarm we are gone (a short-lived 'stopped' entry)."""
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             with contextlib.suppress(BaseException):
-                await self._heartbeat_task
+                async with asyncio.timeout(self.config.request_timeout):
+                    await self._heartbeat_task
             self._heartbeat_task = None
         self._me["state"] = "stopped"
         await self._publish(ttl=self.config.heartbeat_interval)
@@ -204,7 +206,8 @@ class Swarm:
         errors = []
         for step in (self.leave, self.dht.shutdown, self.p2p.shutdown):
             try:
-                await asyncio.wait_for(step(), timeout=self.config.request_timeout)
+                async with asyncio.timeout(self.config.request_timeout):
+                    await step()
             except Exception as e:
                 errors.append(e)
         if errors:
@@ -224,9 +227,11 @@ class Swarm:
         if max_age and time.monotonic() - self._peers_at < max_age:
             return self._peers
         try:
-            found = await asyncio.wait_for(self.dht.get(self._key, latest=True), timeout=self.config.request_timeout)
+            async with asyncio.timeout(self.config.request_timeout):
+                found = await self.dht.get(self._key, latest=True)
         except Exception as e:
             log.debug("peer table lookup failed: %r", e)
+            self.table_fresh = False
             return self._peers
         peers: dict[str, PeerRecord] = {}
         entries = found.value if found is not None else {}
@@ -244,6 +249,7 @@ class Swarm:
             if record.state != "stopped":
                 peers[record.peer_id] = record
         self._peers, self._peers_at = peers, time.monotonic()
+        self.table_fresh = True
         return peers
 
     @property

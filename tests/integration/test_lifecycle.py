@@ -1,7 +1,9 @@
 """Signals: SIGTERM stops cleanly; neither SIGTERM nor SIGKILL leaves a child behind;
 p2pd runs with UPnP, AutoNAT and relays off."""
 
+import re
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,15 @@ def _p2pd(node) -> int:
 
 
 def test_sigterm_stops_cleanly_and_takes_children_along(nodes):
-    node = nodes("term", "--inner-steps", "1000")
+    node = nodes("term", "--inner-steps", "2", "--metrics-addr", "127.0.0.1:0")
     node.address()
+    node.wait_round(1, timeout=60)
+    url = wait_until(lambda: re.search(r"^metrics on (\S+)", node.log(), re.M), 10, "metrics address").group(1)
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert f'gonka_node_info{{peer_id="{node.status()["peer_id"]}",run_id="default"' in text
+    rounds = re.search(r"^gonka_node_rounds_total (\S+)", text, re.M)
+    assert rounds and float(rounds.group(1)) >= 1
+    assert re.search(r"^gonka_node_allreduce_seconds_count [1-9]", text, re.M)
     p2pd = _p2pd(node)
     args = Path(f"/proc/{p2pd}/cmdline").read_bytes().split(b"\0")
     # DESIGN.md network rules: nothing beyond the addresses we are given.
