@@ -28,6 +28,8 @@ import tomllib
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GONKA_"
+# GONKA_* variables that are not settings: test-only fault injection (p2p/faults.py).
+NOT_SETTINGS = frozenset({"GONKA_TEST_FAULT"})
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 _MAX_SOCKET_PATH = 107
@@ -267,7 +269,7 @@ def load_config(*, toml_path: str | None, environ: Mapping[str, str], overrides:
                 put(key, value, parse_text=False, source=source)
 
     for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX):
+        if not var.startswith(ENV_PREFIX) or var in NOT_SETTINGS:
             continue
         section, _, name = var[len(ENV_PREFIX):].lower().partition("_")
         key = f"{section}.{name}"

@@ -86,7 +86,9 @@ class TrainingLoop:
                 await self.resync("behind")
                 return
             self.metrics.rounds_aborted.labels(reason=outcome.reason or "unknown").inc()
-            log.info("round %d aborted (%s); retrying with the survivors", r + 1, outcome.reason)
+            self.metrics.round_retries.inc()
+            log.info("aborted round=%d group=%s reason=%s; retrying with the survivors", r + 1, outcome.group_id,
+                     outcome.reason)
             await asyncio.sleep(RETRY_SECONDS)
 
     async def commit(self, avg) -> None:
@@ -99,9 +101,9 @@ class TrainingLoop:
         self.status.eval_loss = eval_loss
         self.status.last_round_members = members
         await self.publish_state()
-        log.info("committed round=%d hash=%s members=%d loss=%.4f eval_loss=%.4f allreduce=%.3fs",
-                 self.worker.round, self.status.params_hash, members, self.status.loss or float("nan"),
-                 eval_loss, self.rounds.last.allreduce_seconds)
+        log.info("committed round=%d hash=%s members=%d group=%s loss=%.4f eval_loss=%.4f allreduce=%.3fs",
+                 self.worker.round, self.status.params_hash, members, self.rounds.last.group_id,
+                 self.status.loss or float("nan"), eval_loss, self.rounds.last.allreduce_seconds)
         await self.on_commit()
 
     def _apply_and_eval(self, avg) -> float:

@@ -101,6 +101,16 @@ class NodeMetrics:
         self.state_served = Counter(
             "gonka_node_state_served_total", "Training state transfers this node served to joining peers.", registry=r
         )
+        self.round_retries = Counter(
+            "gonka_node_round_retries_total",
+            "Round attempts this node retried after an aborted attempt (same pseudo-gradient, surviving peers).",
+            registry=r,
+        )
+        self.stragglers_excluded = Counter(
+            "gonka_node_stragglers_excluded_total",
+            "Peers still in their inner steps when this node, leading a round, started it without them.",
+            registry=r,
+        )
         self.resyncs = Counter(
             "gonka_node_resyncs_total",
             "Times this node replaced its state with the swarm's because it had diverged or fallen behind, by reason.",

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2p import faults
+from p2p.deadline import DeadlinePolicy
 from p2p.group import Group, RoundFailed, digest
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, read_frame, write_frame
@@ -40,6 +42,7 @@ class RoundOutcome:
 
     status: str  # committed | aborted | behind
     reason: str = ""
+    group_id: str = ""
     members: list[str] = field(default_factory=list)
     gather_seconds: float = 0.0
     allreduce_seconds: float = 0.0
@@ -74,7 +77,7 @@ class RoundProtocol:
         cfg = swarm.config
         self.min_peers = cfg.min_peers
         self.gather_timeout = cfg.gather_timeout
-        self.round_timeout = cfg.round_timeout
+        self.deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
         self.request_timeout = cfg.request_timeout
         self._names = {k: f"gonka.{swarm.run_id}.{k}" for k in ("begin", "part", "vote")}
         self._waiting: _Waiting | None = None
@@ -108,18 +111,27 @@ class RoundProtocol:
         self.metrics.gather_wait_seconds.observe(gathered - started)
         self.metrics.round_members.set(len(group.members))
         self.swarm.announce(state="averaging")
+        faults.checkpoint("grouped", round + 1)
         try:
             result = await self._allreduce(group)
-        except RoundFailed as e:
-            await self._broadcast_abort(group, e.reason)
-            self.metrics.averaging_failures.labels(reason=e.reason).inc()
-            self.last = RoundOutcome("aborted", e.reason, group.members, gathered - started, time.monotonic() - gathered)
-            log.warning("round %d attempt with %d members aborted: %s", round, len(group.members), e)
+        except (RoundFailed, asyncio.CancelledError) as e:
+            reason = e.reason if isinstance(e, RoundFailed) else "stopping"
+            await asyncio.shield(self._broadcast_abort(group, reason))
+            self.metrics.averaging_failures.labels(reason=reason).inc()
+            self.last = RoundOutcome("aborted", reason, group.id.hex()[:8], group.members,
+                                     gathered - started, time.monotonic() - gathered)
+            log.warning("round %d attempt %s with %d members aborted: %s", round + 1, group.id.hex()[:8],
+                        len(group.members), e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
             return None
         finally:
             self._group = None
-        self.metrics.allreduce_seconds.observe(time.monotonic() - gathered)
-        self.last = RoundOutcome("committed", "", group.members, gathered - started, time.monotonic() - gathered)
+        seconds = time.monotonic() - gathered
+        self.deadlines.observe(seconds)
+        self.metrics.allreduce_seconds.observe(seconds)
+        self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds)
+        faults.checkpoint("commit", round + 1)
         return unflatten(result, tensors)
 
     # ---- gather: who is in this round ----------------------------------------------
@@ -147,6 +159,9 @@ class RoundProtocol:
             if leader == self.swarm.peer_id and can_lead and len(ready) >= self.min_peers and (not training or timed_out):
                 group = await self._lead(round, ready)
                 if group is not None:
+                    if training:
+                        log.info("round %d starts without %d straggler(s)", round + 1, len(training))
+                        self.metrics.stragglers_excluded.inc(len(training))
                     return group
             elif leader != self.swarm.peer_id:
                 first_seen = waited_for_leader.setdefault(leader, time.monotonic())
@@ -192,7 +207,7 @@ class RoundProtocol:
 
     async def _allreduce(self, group: Group) -> torch.Tensor:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.round_timeout
+        deadline = loop.time() + self.deadlines.deadline()
         exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
         own = group.reduced_part(deadline)
         tasks = [asyncio.ensure_future(c) for c in [own, *exchanges]]
@@ -227,11 +242,13 @@ class RoundProtocol:
             for offset in range(0, len(data), CHUNK_BYTES):
                 sent += await write_frame(writer, {}, data[offset : offset + CHUNK_BYTES])
             self.metrics.sent_bytes.inc(sent)
+            faults.checkpoint("reduce", group.round + 1)
             reply, _ = await read_frame(reader, max(0.1, deadline - loop.time()))
             if not reply.get("ok"):
                 raise RoundFailed(str(reply.get("reason", "peer_failed"))[:40])
             averaged = await self._read_payload(reader, len(data), deadline)
             group.place(j, averaged)
+            faults.checkpoint("gather", group.round + 1)
         finally:
             await close_writer(writer)
 
@@ -343,7 +360,7 @@ class RoundProtocol:
         if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.part_numel(group.index) * 4:
             group.fail("bad_size")
             raise RoundFailed("bad_size")
-        deadline = asyncio.get_running_loop().time() + self.round_timeout
+        deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
         data = await self._read_payload(reader, nbytes, deadline)
         try:
             group.add_contribution(index, weight, torch.frombuffer(bytearray(data), dtype=torch.float32))

@@ -157,6 +157,7 @@ class Swarm:
             raise
         self = cls(config, run_id, p2p, dht, on_reject)
         self.maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
+        await self._publish()  # be in the peer table before asking anyone for anything
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         return self
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from p2p import faults
 from p2p.swarm import PeerRecord, Swarm, peer_id_from
 from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, read_frame, write_frame
 
@@ -38,12 +39,14 @@ class Snapshot:
     shapes: list[list[int]]
     blob: bytes
     digest: bytes
+    # Digest of every CHUNK_BYTES piece, so a receiver can check each piece as it arrives.
+    chunk_digests: list[bytes]
 
     @classmethod
     def build(cls, round: int, params_hash: str, params: list[torch.Tensor], momentum: list[torch.Tensor]) -> "Snapshot":
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in [*params, *momentum]])
         blob = flat.numpy().tobytes()
-        return cls(round, params_hash, [list(p.shape) for p in params], blob, hashlib.blake2b(blob, digest_size=16).digest())
+        return cls(round, params_hash, [list(p.shape) for p in params], blob, _digest(blob), _chunk_digests(blob))
 
     def unpack(self) -> dict:
         """The blob back as {'round', 'params', 'momentum'} tensors."""
@@ -86,11 +89,17 @@ class StateServer:
             header, _ = await read_frame(reader, self.swarm.config.request_timeout)
             snap = self.snapshot
             op = hfield(header, "op", str)
-            if snap is None:
+            requester = info.peer_id.to_base58()
+            # Only peers that announced themselves in this run's peer table get the state.
+            if requester not in self.swarm.peers and requester not in await self.swarm.refresh_peers():
+                self.swarm.reject("not_in_swarm", requester[-8:])
+                await write_frame(writer, {"ok": False, "reason": "not_in_swarm"})
+            elif snap is None:
                 await write_frame(writer, {"ok": False, "reason": "no_state"})
             elif op == "meta":
                 await write_frame(writer, {"ok": True, "round": snap.round, "hash": snap.params_hash,
-                                           "size": len(snap.blob), "digest": snap.digest, "shapes": snap.shapes})
+                                           "size": len(snap.blob), "digest": snap.digest, "shapes": snap.shapes,
+                                           "chunks": snap.chunk_digests})
             elif op == "range":
                 offset, length = hfield(header, "offset", int), hfield(header, "length", int)
                 if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
@@ -98,6 +107,7 @@ class StateServer:
                     return
                 if not (0 <= offset and 0 < length <= CHUNK_BYTES and offset + length <= len(snap.blob)):
                     raise WireError("bad_range")
+                faults.checkpoint("serve", snap.round + 1)
                 sent = await write_frame(writer, {"ok": True}, memoryview(snap.blob)[offset : offset + length])
                 self.metrics.sent_bytes.inc(sent)
                 self.metrics.state_served.inc()
@@ -148,15 +158,19 @@ class StateDownload:
                 continue
             m = meta[0]
             if m.get("round") == round and m.get("hash") == params_hash:
-                if m.get("shapes") != shapes or m.get("size") != expected_size or not isinstance(m.get("digest"), bytes):
+                chunks = m.get("chunks")
+                if (m.get("shapes") != shapes or m.get("size") != expected_size or not isinstance(m.get("digest"), bytes)
+                        or not isinstance(chunks, list) or len(chunks) != -(-expected_size // CHUNK_BYTES)
+                        or not all(isinstance(c, bytes) for c in chunks)):
                     self.swarm.reject("bad_state_meta", f"from {donor[-8:]}")
                     continue
-                agreeing[donor] = m.get("digest")
+                agreeing[donor] = (m["digest"], tuple(chunks))
         if not agreeing:
             raise RuntimeError(f"no donor serves round {round} with params_hash {params_hash[:12]}")
-        digest, _ = Counter(agreeing.values()).most_common(1)[0]
+        # Donors holding the same (round, params_hash) serve identical bytes; trust the common description.
+        (digest, chunk_digests), _ = Counter(agreeing.values()).most_common(1)[0]
         size = expected_size
-        donors = [d for d, v in agreeing.items() if v == digest]
+        donors = [d for d, v in agreeing.items() if v == (digest, chunk_digests)]
         blob = bytearray(size)
         queue: asyncio.Queue[int] = asyncio.Queue()
         offsets = list(range(0, size, CHUNK_BYTES))
@@ -176,8 +190,9 @@ class StateDownload:
                 header = {"op": "range", "round": round, "hash": params_hash, "offset": offset, "length": length}
                 try:
                     _, payload = await self._request(donor, header, max_payload=CHUNK_BYTES)
-                    if len(payload) != length:
-                        raise WireError("bad_size")
+                    if len(payload) != length or _digest(payload) != chunk_digests[offset // CHUNK_BYTES]:
+                        self.swarm.reject("bad_state_chunk", f"from {donor[-8:]}")
+                        raise WireError("bad_state_chunk")
                 except Exception as e:
                     queue.put_nowait(offset)
                     remaining["donors"] -= 1
@@ -200,12 +215,21 @@ class StateDownload:
             await asyncio.gather(*workers, return_exceptions=True)
         if remaining["chunks"]:
             raise RuntimeError(f"all {len(donors)} donors failed before the state was complete")
-        if hashlib.blake2b(bytes(blob), digest_size=16).digest() != digest:
+        if _digest(bytes(blob)) != digest:
             raise RuntimeError("downloaded state does not match its digest")
         self.metrics.state_download_seconds.observe(time.monotonic() - started)
         log.info("downloaded round %d state (%.1f MB) from %d donors in %.2fs",
                  round, size / 1e6, len(donors), time.monotonic() - started)
-        return Snapshot(round, params_hash, shapes, bytes(blob), digest)
+        return Snapshot(round, params_hash, shapes, bytes(blob), digest, list(chunk_digests))
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _chunk_digests(blob: bytes) -> list[bytes]:
+    view = memoryview(blob)
+    return [_digest(view[i : i + CHUNK_BYTES]) for i in range(0, len(blob), CHUNK_BYTES)]
 
 
 def _numel(shape: list[int]) -> int:

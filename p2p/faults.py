@@ -1,0 +1,46 @@
+"""Fault injection for tests: a node SIGKILLs itself at a chosen point of a chosen round.
+
+Set ``GONKA_TEST_FAULT=PHASE@ROUND`` in a node's environment (``ROUND`` is the
+round being averaged, i.e. the committed round + 1; ``*`` = any). Phases:
+
+- ``grouped``: the group is agreed, before this member sent anything;
+- ``reduce``: its slices are sent, before any averaged part came back;
+- ``gather``: it holds some averaged parts, not all;
+- ``commit``: every vote is in and agrees, before the outer step is applied;
+- ``serve``: a peer asked it for a piece of the state, before it answered.
+
+Only tests set it; a node without the variable never takes these branches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+ENV = "GONKA_TEST_FAULT"
+PHASES = ("grouped", "reduce", "gather", "commit", "serve")
+
+log = logging.getLogger(__name__)
+
+
+def _armed() -> tuple[str, int | None] | None:
+    spec = os.environ.get(ENV, "")
+    if not spec:
+        return None
+    phase, _, round_text = spec.partition("@")
+    if phase not in PHASES or not (round_text == "*" or round_text.isdigit()):
+        raise ValueError(f"{ENV}: expected PHASE@ROUND with PHASE in {', '.join(PHASES)} (got {spec!r})")
+    return phase, None if round_text == "*" else int(round_text)
+
+
+ARMED = _armed()
+
+
+def checkpoint(phase: str, round: int) -> None:
+    """Die here if the test asked for a fault at this phase of this round."""
+    if ARMED is not None and ARMED[0] == phase and ARMED[1] in (None, round):
+        log.warning("fault injection: SIGKILL at %s of round %d", phase, round)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
