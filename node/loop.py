@@ -210,7 +210,8 @@ class TrainingLoop:
         w = self.worker
         params_hash = await asyncio.to_thread(w.params_hash)
         gs = w.global_state()
-        self.server.snapshot = await asyncio.to_thread(Snapshot.build, gs["round"], params_hash, gs["params"], gs["momentum"])
+        self.server.snapshot = await asyncio.to_thread(Snapshot.build, gs["round"], params_hash, gs["params"],
+                                                       gs["momentum"], self.swarm.config.state_chunk_bytes)
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
         self.swarm.announce(round=w.round, hash=params_hash, step=w.inner_step, loss=self.status.loss)
 

@@ -45,6 +45,9 @@ class SwarmConfig:
     round_timeout: float = 60.0
     # Seconds to wait for any single network call (connect, one message).
     request_timeout: float = 20.0
+    # Size of the pieces a joining peer fetches from donors in parallel
+    # (each verified on arrival); smaller spreads a small state over more donors.
+    state_chunk_bytes: int = 4 * 1024 * 1024
     # Seconds between two announcements of this peer's state in the DHT;
     # a peer silent for 3 intervals is considered gone.
     heartbeat_interval: float = 2.0
@@ -57,6 +60,8 @@ class SwarmConfig:
         for addr in self.announce:
             require("/tcp/0/" not in addr + "/", "swarm.announce", f"needs an explicit port, not 0: {addr!r}")
         require(self.min_peers >= 1, "swarm.min_peers", f"must be >= 1 (got {self.min_peers})")
+        require(64 * 1024 <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
+                f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
         for key in ("gather_timeout", "round_timeout", "request_timeout", "heartbeat_interval"):
             value = getattr(self, key)
             require(value > 0, f"swarm.{key}", f"must be > 0 (got {value})")

@@ -1,7 +1,8 @@
 """Fault injection for tests: a node SIGKILLs itself at a chosen point of a chosen round.
 
-Set ``GONKA_TEST_FAULT=PHASE@ROUND`` in a node's environment (``ROUND`` is the
-round being averaged, i.e. the committed round + 1; ``*`` = any). Phases:
+Set ``GONKA_TEST_FAULT=PHASE@ROUND[:MEMBERS]`` in a node's environment: the node
+dies at the first PHASE of round ROUND or later (the round being averaged, i.e.
+the committed round + 1) in a group of at least MEMBERS peers. Phases:
 
 - ``grouped``: the group is agreed, before this member sent anything;
 - ``reduce``: its slices are sent, before any averaged part came back;
@@ -24,22 +25,23 @@ PHASES = ("grouped", "reduce", "gather", "commit", "serve")
 log = logging.getLogger(__name__)
 
 
-def _armed() -> tuple[str, int | None] | None:
+def _armed() -> tuple[str, int, int] | None:
     spec = os.environ.get(ENV, "")
     if not spec:
         return None
-    phase, _, round_text = spec.partition("@")
-    if phase not in PHASES or not (round_text == "*" or round_text.isdigit()):
-        raise ValueError(f"{ENV}: expected PHASE@ROUND with PHASE in {', '.join(PHASES)} (got {spec!r})")
-    return phase, None if round_text == "*" else int(round_text)
+    phase, _, rest = spec.partition("@")
+    round_text, _, members_text = rest.partition(":")
+    if phase not in PHASES or not round_text.isdigit() or not (members_text or "0").isdigit():
+        raise ValueError(f"{ENV}: expected PHASE@ROUND[:MEMBERS] with PHASE in {', '.join(PHASES)} (got {spec!r})")
+    return phase, int(round_text), int(members_text or 0)
 
 
 ARMED = _armed()
 
 
-def checkpoint(phase: str, round: int) -> None:
+def checkpoint(phase: str, round: int, members: int = 0) -> None:
     """Die here if the test asked for a fault at this phase of this round."""
-    if ARMED is not None and ARMED[0] == phase and ARMED[1] in (None, round):
+    if ARMED is not None and ARMED[0] == phase and round >= ARMED[1] and members >= ARMED[2]:
         log.warning("fault injection: SIGKILL at %s of round %d", phase, round)
         for handler in logging.getLogger().handlers:
             handler.flush()

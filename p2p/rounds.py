@@ -111,7 +111,7 @@ class RoundProtocol:
         self.metrics.gather_wait_seconds.observe(gathered - started)
         self.metrics.round_members.set(len(group.members))
         self.swarm.announce(state="averaging")
-        faults.checkpoint("grouped", round + 1)
+        faults.checkpoint("grouped", round + 1, len(group.members))
         try:
             result = await self._allreduce(group)
         except (RoundFailed, asyncio.CancelledError) as e:
@@ -131,7 +131,7 @@ class RoundProtocol:
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds)
-        faults.checkpoint("commit", round + 1)
+        faults.checkpoint("commit", round + 1, len(group.members))
         return unflatten(result, tensors)
 
     # ---- gather: who is in this round ----------------------------------------------
@@ -210,21 +210,14 @@ class RoundProtocol:
         deadline = loop.time() + self.deadlines.deadline()
         exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
         own = group.reduced_part(deadline)
-        tasks = [asyncio.ensure_future(c) for c in [own, *exchanges]]
-        try:
-            await _all_or_fail(tasks, group)
-        except WireError as e:
-            raise RoundFailed(e.reason, str(e)) from None
+        await _all_or_fail([asyncio.ensure_future(c) for c in [own, *exchanges]], group)
         vote = digest(group.result, group.id)
         group.add_vote(group.index, vote)
         header = {"g": group.id, "digest": vote}
         others = [p for p in group.members if p != group.me]
         sends = [asyncio.ensure_future(self._call(p, "vote", header)) for p in others]
         agreed = asyncio.ensure_future(group.agreed(deadline))
-        try:
-            await _all_or_fail([*sends, agreed], group)
-        except WireError as e:
-            raise RoundFailed(e.reason, str(e)) from None
+        await _all_or_fail([*sends, agreed], group)
         if not agreed.result():
             raise RoundFailed("digest_mismatch")
         return group.result
@@ -242,13 +235,13 @@ class RoundProtocol:
             for offset in range(0, len(data), CHUNK_BYTES):
                 sent += await write_frame(writer, {}, data[offset : offset + CHUNK_BYTES])
             self.metrics.sent_bytes.inc(sent)
-            faults.checkpoint("reduce", group.round + 1)
+            faults.checkpoint("reduce", group.round + 1, len(group.members))
             reply, _ = await read_frame(reader, max(0.1, deadline - loop.time()))
             if not reply.get("ok"):
                 raise RoundFailed(str(reply.get("reason", "peer_failed"))[:40])
             averaged = await self._read_payload(reader, len(data), deadline)
             group.place(j, averaged)
-            faults.checkpoint("gather", group.round + 1)
+            faults.checkpoint("gather", group.round + 1, len(group.members))
         finally:
             await close_writer(writer)
 
@@ -398,7 +391,7 @@ async def _reply(writer, header: dict) -> None:
 
 
 async def _all_or_fail(tasks: list[asyncio.Future], group: Group) -> None:
-    """Await all tasks; on the first failure cancel the rest and fail the group."""
+    """Await all tasks; on the first failure cancel the rest, fail the group, raise RoundFailed."""
     try:
         for fut in asyncio.as_completed(tasks):
             await fut
@@ -406,6 +399,14 @@ async def _all_or_fail(tasks: list[asyncio.Future], group: Group) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        reason = e.reason if isinstance(e, (RoundFailed, WireError)) else "error"
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        if isinstance(e, (RoundFailed, WireError)):
+            reason = e.reason
+        elif isinstance(e, (ConnectionError, OSError, asyncio.IncompleteReadError)):
+            reason = "connection_lost"
+        else:
+            log.exception("unexpected error in a round")
+            reason = "error"
         group.fail(reason, str(e))
-        raise
+        raise RoundFailed(reason, str(e)[:200]) from None

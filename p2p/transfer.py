@@ -25,7 +25,7 @@ import torch
 
 from p2p import faults
 from p2p.swarm import PeerRecord, Swarm, peer_id_from
-from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, read_frame, write_frame
+from p2p.wire import MAX_PAYLOAD_BYTES, WireError, close_writer, field as hfield, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,18 @@ class Snapshot:
     shapes: list[list[int]]
     blob: bytes
     digest: bytes
-    # Digest of every CHUNK_BYTES piece, so a receiver can check each piece as it arrives.
+    # The blob is served in pieces of chunk_bytes; the digest of every piece lets a
+    # receiver check each one as it arrives.
+    chunk_bytes: int
     chunk_digests: list[bytes]
 
     @classmethod
-    def build(cls, round: int, params_hash: str, params: list[torch.Tensor], momentum: list[torch.Tensor]) -> "Snapshot":
+    def build(cls, round: int, params_hash: str, params: list[torch.Tensor], momentum: list[torch.Tensor],
+              chunk_bytes: int) -> "Snapshot":
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in [*params, *momentum]])
         blob = flat.numpy().tobytes()
-        return cls(round, params_hash, [list(p.shape) for p in params], blob, _digest(blob), _chunk_digests(blob))
+        return cls(round, params_hash, [list(p.shape) for p in params], blob, _digest(blob), chunk_bytes,
+                   _chunk_digests(blob, chunk_bytes))
 
     def unpack(self) -> dict:
         """The blob back as {'round', 'params', 'momentum'} tensors."""
@@ -99,13 +103,13 @@ class StateServer:
             elif op == "meta":
                 await write_frame(writer, {"ok": True, "round": snap.round, "hash": snap.params_hash,
                                            "size": len(snap.blob), "digest": snap.digest, "shapes": snap.shapes,
-                                           "chunks": snap.chunk_digests})
+                                           "chunk": snap.chunk_bytes, "chunks": snap.chunk_digests})
             elif op == "range":
                 offset, length = hfield(header, "offset", int), hfield(header, "length", int)
                 if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
                     await write_frame(writer, {"ok": False, "reason": "moved_on"})
                     return
-                if not (0 <= offset and 0 < length <= CHUNK_BYTES and offset + length <= len(snap.blob)):
+                if not (0 <= offset and 0 < length <= snap.chunk_bytes and offset + length <= len(snap.blob)):
                     raise WireError("bad_range")
                 faults.checkpoint("serve", snap.round + 1)
                 sent = await write_frame(writer, {"ok": True}, memoryview(snap.blob)[offset : offset + length])
@@ -158,22 +162,23 @@ class StateDownload:
                 continue
             m = meta[0]
             if m.get("round") == round and m.get("hash") == params_hash:
-                chunks = m.get("chunks")
+                chunks, chunk = m.get("chunks"), m.get("chunk")
                 if (m.get("shapes") != shapes or m.get("size") != expected_size or not isinstance(m.get("digest"), bytes)
-                        or not isinstance(chunks, list) or len(chunks) != -(-expected_size // CHUNK_BYTES)
+                        or not isinstance(chunk, int) or not 0 < chunk <= MAX_PAYLOAD_BYTES
+                        or not isinstance(chunks, list) or len(chunks) != -(-expected_size // chunk)
                         or not all(isinstance(c, bytes) for c in chunks)):
                     self.swarm.reject("bad_state_meta", f"from {donor[-8:]}")
                     continue
-                agreeing[donor] = (m["digest"], tuple(chunks))
+                agreeing[donor] = (m["digest"], chunk, tuple(chunks))
         if not agreeing:
             raise RuntimeError(f"no donor serves round {round} with params_hash {params_hash[:12]}")
         # Donors holding the same (round, params_hash) serve identical bytes; trust the common description.
-        (digest, chunk_digests), _ = Counter(agreeing.values()).most_common(1)[0]
+        (digest, chunk, chunk_digests), _ = Counter(agreeing.values()).most_common(1)[0]
         size = expected_size
-        donors = [d for d, v in agreeing.items() if v == (digest, chunk_digests)]
+        donors = [d for d, v in agreeing.items() if v == (digest, chunk, chunk_digests)]
         blob = bytearray(size)
         queue: asyncio.Queue[int] = asyncio.Queue()
-        offsets = list(range(0, size, CHUNK_BYTES))
+        offsets = list(range(0, size, chunk))
         for offset in offsets:
             queue.put_nowait(offset)
         remaining = {"chunks": len(offsets), "donors": len(donors)}
@@ -186,11 +191,11 @@ class StateDownload:
                 except asyncio.QueueEmpty:
                     await asyncio.sleep(0.05)  # chunks may come back from a failing donor
                     continue
-                length = min(CHUNK_BYTES, size - offset)
+                length = min(chunk, size - offset)
                 header = {"op": "range", "round": round, "hash": params_hash, "offset": offset, "length": length}
                 try:
-                    _, payload = await self._request(donor, header, max_payload=CHUNK_BYTES)
-                    if len(payload) != length or _digest(payload) != chunk_digests[offset // CHUNK_BYTES]:
+                    _, payload = await self._request(donor, header, max_payload=chunk)
+                    if len(payload) != length or _digest(payload) != chunk_digests[offset // chunk]:
                         self.swarm.reject("bad_state_chunk", f"from {donor[-8:]}")
                         raise WireError("bad_state_chunk")
                 except Exception as e:
@@ -220,16 +225,16 @@ class StateDownload:
         self.metrics.state_download_seconds.observe(time.monotonic() - started)
         log.info("downloaded round %d state (%.1f MB) from %d donors in %.2fs",
                  round, size / 1e6, len(donors), time.monotonic() - started)
-        return Snapshot(round, params_hash, shapes, bytes(blob), digest, list(chunk_digests))
+        return Snapshot(round, params_hash, shapes, bytes(blob), digest, chunk, list(chunk_digests))
 
 
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def _chunk_digests(blob: bytes) -> list[bytes]:
+def _chunk_digests(blob: bytes, chunk: int) -> list[bytes]:
     view = memoryview(blob)
-    return [_digest(view[i : i + CHUNK_BYTES]) for i in range(0, len(blob), CHUNK_BYTES)]
+    return [_digest(view[i : i + chunk]) for i in range(0, len(blob), chunk)]
 
 
 def _numel(shape: list[int]) -> int:

@@ -8,8 +8,8 @@ def nodes(tmp_path):
     """Factory for real node processes; kills whatever a test leaves running."""
     started: list[NodeProc] = []
 
-    def start(name: str, *args: str) -> NodeProc:
-        return NodeProc(name, tmp_path, list(args), started)
+    def start(name: str, *args: str, env: dict[str, str] | None = None) -> NodeProc:
+        return NodeProc(name, tmp_path, list(args), started, env)
 
     yield start
     for node in started:

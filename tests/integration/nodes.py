@@ -68,7 +68,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
 
 
 class NodeProc:
-    def __init__(self, name: str, workdir: Path, args: list[str], registry: list["NodeProc"]):
+    def __init__(self, name: str, workdir: Path, args: list[str], registry: list["NodeProc"],
+                 env: dict[str, str] | None = None):
         self.name = name
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +78,8 @@ class NodeProc:
         self.control = str(self.dir / "control.sock")
         cmd = [str(BIN), "start", *FAST, "--status-file", str(self.status_path), "--control", self.control, *args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
         self.known_children: set[int] = set()
         registry.append(self)
 
