@@ -11,11 +11,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
 
 from node.status import Status
 from p2p.rounds import RoundProtocol
-from p2p.swarm import PeerRecord, Swarm
+from p2p.swarm import Swarm
 from p2p.transfer import Snapshot, StateDownload, StateServer, pick_target
 from trainer.diloco import DiLoCoWorker
 
@@ -146,20 +145,10 @@ class TrainingLoop:
     async def check_consistency(self) -> None:
         """After a commit: if most peers of our round hold other parameters, or the swarm is
         ahead of us, fetch the majority's state."""
-        peers = await self.swarm.refresh_peers()
-        target = self.majority(peers)
-        if target is None:
-            return
-        round, params_hash = target
-        if round > self.worker.round or (round == self.worker.round and params_hash != self.status.params_hash):
+        mine = (self.worker.round, self.status.params_hash)
+        round, params_hash, _ = pick_target(await self.swarm.refresh_peers(), mine)
+        if (round, params_hash) != mine:
             await self.resync("diverged" if round == self.worker.round else "behind")
-
-    def majority(self, peers: dict[str, PeerRecord]) -> tuple[int, str] | None:
-        votes = Counter((r.round, r.params_hash) for r in peers.values() if r.state != "joining" and r.params_hash)
-        votes[(self.worker.round, self.status.params_hash)] += 1
-        newest = max(rnd for rnd, _ in votes)
-        ranked = sorted(((-n, h) for (rnd, h), n in votes.items() if rnd == newest))
-        return newest, ranked[0][1]
 
     async def resync(self, reason: str) -> None:
         """Replace our global state with the swarm's; local progress of this round is dropped."""

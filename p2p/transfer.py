@@ -64,16 +64,20 @@ class Snapshot:
         return {"round": self.round, "params": tensors[:half], "momentum": tensors[half:]}
 
 
-def pick_target(peers: dict[str, PeerRecord]) -> tuple[int, str, list[str]] | None:
-    """The (round, params_hash) held by most peers at the newest round, and who holds it."""
-    serving = [r for r in peers.values() if r.state != "joining" and r.params_hash]
-    if not serving:
+def pick_target(peers: dict[str, PeerRecord], mine: tuple[int, str] | None = None
+                ) -> tuple[int, str, list[str]] | None:
+    """The swarm's state: the (round, params_hash) held by most peers at the newest round
+    (``mine`` votes too; ties go to the smaller hash, so every peer picks the same), and
+    the other peers that hold it. None if nobody holds any state yet."""
+    holders = [(r.round, r.params_hash, r.peer_id) for r in peers.values() if r.state != "joining" and r.params_hash]
+    votes = Counter((rnd, h) for rnd, h, _ in holders)
+    if mine is not None:
+        votes[mine] += 1
+    if not votes:
         return None
-    newest = max(r.round for r in serving)
-    votes = Counter(r.params_hash for r in serving if r.round == newest)
-    params_hash, _ = votes.most_common(1)[0]
-    donors = sorted(r.peer_id for r in serving if r.round == newest and r.params_hash == params_hash)
-    return newest, params_hash, donors
+    newest = max(rnd for rnd, _ in votes)
+    _, params_hash = min((-n, h) for (rnd, h), n in votes.items() if rnd == newest)
+    return newest, params_hash, sorted(p for rnd, h, p in holders if (rnd, h) == (newest, params_hash))
 
 
 class StateServer:
