@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+
+from trainer.files import atomic_write
 
 
 @dataclass(slots=True)
@@ -38,24 +38,7 @@ class Status:
         return asdict(self)
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Temporary file in the same directory, fsync, rename: readers never see half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".status-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def write_status_file(path: str, status: Status) -> None:
-    write_atomically(path, json.dumps(status.to_json(), indent=2, sort_keys=True) + "\n")
+    """Readers (monitoring, tests) never see half a file."""
+    text = json.dumps(status.to_json(), indent=2, sort_keys=True) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))

@@ -9,13 +9,13 @@ rather than a reason to make a new key.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 
 from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
+
+from trainer.files import atomic_write
 
 # Real key files are about 1.2 KB; a much larger file is not one.
 _MAX_KEY_BYTES = 64 * 1024
@@ -60,40 +60,12 @@ def load_or_create_identity(path: str) -> str:
     """Return the peer id of the key at `path`, creating the key file first if there is none."""
     if not os.path.lexists(path):
         try:
-            _create(path, generate_identity())
+            key = generate_identity()
+            # The temporary file is created 0600: the key is never readable by others.
+            atomic_write(path, lambda f: f.write(key), overwrite=False)
         except FileExistsError:
             # Another process created it first; use theirs.
             pass
         except OSError as exc:
             raise ValueError(f"node.identity: {path}: cannot create: {exc.strerror or exc}") from None
     return peer_id_of(path)
-
-
-def _create(path: str, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    # mkstemp creates the file with mode 0600: the key is never readable by others.
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            # link, unlike replace, fails if the name exists: a key that
-            # appeared meanwhile is never overwritten.
-            os.link(tmp, path)
-        except FileExistsError:
-            raise
-        except OSError:
-            # Filesystems without hard links; the lexists check above covers
-            # all but a concurrent start with the same path.
-            os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -9,35 +9,18 @@ fsynced so the rename itself survives a power cut. Loading uses
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
+
+from trainer.files import atomic_write
 
 LATEST = "latest.pt"
 
 
 def save_checkpoint(directory: str, state: dict) -> str:
     """Atomically write ``state`` to ``directory/latest.pt``; returns that path."""
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LATEST)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".latest.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, lambda f: torch.save(state, f))
     return path
 
 
