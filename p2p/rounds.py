@@ -298,6 +298,8 @@ class RoundProtocol:
                 await _reply(writer, {"ok": False, "reason": e.reason})
             except (ConnectionError, OSError):
                 pass
+            except asyncio.CancelledError:
+                pass  # the node is shutting down: the stream goes with it
             except Exception as e:  # never let a peer crash the node
                 log.exception("handler failed")
                 self.swarm.reject("handler_error", repr(e))

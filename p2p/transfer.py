@@ -123,8 +123,8 @@ class StateServer:
                 raise WireError("bad_op")
         except WireError as e:
             self.swarm.reject(e.reason, str(e))
-        except (ConnectionError, OSError):
-            pass
+        except (ConnectionError, OSError, asyncio.CancelledError):
+            pass  # the requester went away, or we are shutting down
         except Exception as e:
             log.exception("state handler failed")
             self.swarm.reject("handler_error", repr(e))
