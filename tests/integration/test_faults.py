@@ -93,7 +93,8 @@ def test_sigstopped_member_is_left_out_then_resyncs(nodes):
 
 def test_joiner_survives_a_donor_dying_mid_download(nodes):
     # Small pieces so each of the three donors is asked for some; one dies when asked.
-    chunk = ["--set", "swarm.state_chunk_bytes=524288"]
+    # Longer rounds, so all three donors announce the same state when the joiner looks.
+    chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "40"]
     swarm = start_swarm(nodes, 3, env_for={2: {"GONKA_TEST_FAULT": "serve@1"}}, extra=chunk)
     for n in swarm:
         n.wait_round(2, timeout=150)
@@ -101,6 +102,7 @@ def test_joiner_survives_a_donor_dying_mid_download(nodes):
     assert swarm[2].wait_exit(120) == -signal.SIGKILL, swarm[2].log()[-3000:]
     assert "SIGKILL at serve" in swarm[2].log()
     wait_until(lambda: "reason=join" in joiner.log(), 120, "the joiner to finish its download")
+    assert re.search(r"donor \w+ failed .* 2 donors left", joiner.log()), joiner.log()[-3000:]
     assert re.search(r"downloaded round \d+ state .* from 3 donors", joiner.log()), joiner.log()[-3000:]
     first_round = max(joiner.rounds())
     joiner.wait_round(first_round + 1, timeout=120)

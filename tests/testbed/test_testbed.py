@@ -133,6 +133,11 @@ def test_an_error_inside_the_testbed_still_tears_everything_down():
     assert netbed.read_marker(p) is None
 
 
+def ns_pids(ns: str) -> list[int]:
+    return [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                                           check=True).stdout.split()]
+
+
 def node_args(status: Path) -> list[str]:
     return [str(GONKA), "start", "--model", "tiny", "--inner-steps", "4", "--max-rounds", "2", "--min-peers", "2",
             "--metrics-addr", "off", "--control", "off", "--threads", "1", "--set", "data.batch_size=4",
@@ -166,6 +171,8 @@ def test_two_node_swarm_trains_across_the_testbed(tmp_path):
             except subprocess.TimeoutExpired:
                 code = None
             assert code == 0, f"node {i} exit {code}:\n{logs[i].read_text()[-3000:]}"
+        # A node's children (p2pd, hivemind's helpers) die with it: nothing is left in the hosts.
+        wait_for(lambda: not any(ns_pids(tb.namespace(i)) for i in range(2)), 10, "the nodes' children to exit")
         final = [json.loads(s.read_text()) for s in status]
         assert [s["round"] for s in final] == [2, 2], final
         assert final[0]["params_hash"] == final[1]["params_hash"], final

@@ -1,0 +1,395 @@
+"""Wire codecs for pseudo-gradients: fp32, fp16, bf16, int8, int4 and fp4.
+
+The butterfly all-reduce sends each part of a flat fp32 vector once per hop;
+these codecs shrink those bytes. Two properties matter more than speed:
+
+- Decoding is a pure function of the bytes: table look-ups and IEEE fp32
+  multiplies, no randomness, so every member that decodes the averaged part
+  ends with bit-identical values.
+- A payload from another peer is untrusted. ``decode`` checks its exact size
+  and every field a hostile peer could poison (scales, padding, codes,
+  non-finite values) and raises ``CodecError`` with a metric ``reason``
+  instead of returning anything that could reach the model.
+
+Wire formats (all little-endian, no header: the receiver knows ``numel`` from
+the round, so ``wire_bytes(numel)`` is the exact payload size):
+
+- ``fp32`` / ``fp16`` / ``bf16``: ``numel`` values of that type.
+- ``int8``: ``nblocks`` fp32 scales, then ``numel`` int8 codes ``q`` in
+  [-127, 127]; value = ``q * scale``, ``scale = absmax / 127`` per block.
+- ``int4``: ``nblocks`` fp32 scales, then 4-bit codes, two per byte,
+  ``ceil(L / 2)`` bytes per block of ``L`` values (``ceil(numel / 2)`` in
+  all). Within a block, with ``h = ceil(L / 2)``, byte ``j`` holds value
+  ``j`` in its low nibble and value ``j + h`` in its high nibble; an odd
+  block ends with a pad nibble 8. A code is ``8 + q`` for a level ``q`` in
+  -7..7 (code 0 is invalid): value = ``q * scale``, ``scale = absmax / 7``.
+- ``fp4`` (FP4 E3M0, as in Streaming DiLoCo, arXiv 2501.18512): same layout
+  as int4; a level ``q = ±e`` is a sign and a 3-bit exponent ``e`` with no
+  mantissa: value = ``sign(q) * 2^(e-7) * scale`` for ``e`` in 1..7 and 0
+  for ``q = 0``, ``scale = absmax``. The grid is ±{0, 1/64, 1/32, 1/16, 1/8,
+  1/4, 1/2, 1} of the block's absmax, rounded to nearest (ties away from 0).
+
+``nblocks = ceil(numel / block_size)``; block size is 256 unless a codec is
+built with another one (its name then says so, e.g. ``int8-b128``, so peers
+that agree on a name agree on the format).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+if sys.byteorder != "little":  # payloads are the in-memory bytes of torch tensors
+    raise ImportError("p2p.codecs assumes a little-endian host")
+
+DEFAULT_BLOCK_SIZE = 256
+# Largest legal block scale. A power of two far above any pseudo-gradient, and
+# small enough that scale * 127 stays finite, so a scale a hostile peer picks
+# can never decode to Inf.
+SCALE_LIMIT = 2.0**120
+# Elements per encode/decode step: small enough that the temporaries of one
+# step stay in cache, large enough that Python overhead is negligible.
+CHUNK_ELEMS = 1 << 18
+
+
+class CodecError(ValueError):
+    """A payload (or input) a codec refuses; ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or x.dim() != 1 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"codec input must be a 1-D contiguous float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+def _payload(data: bytes | bytearray | memoryview, expected: int) -> tuple[torch.Tensor, bool]:
+    """The payload as a uint8 tensor after checking its exact size, and whether it is a private copy."""
+    view = memoryview(data).cast("B")
+    if view.nbytes != expected:
+        raise CodecError("bad_size", f"got {view.nbytes} bytes, expected {expected}")
+    if expected == 0:
+        return torch.empty(0, dtype=torch.uint8), True
+    if view.readonly:  # torch cannot wrap read-only memory without a warning
+        return torch.frombuffer(bytearray(view), dtype=torch.uint8), True
+    return torch.frombuffer(view, dtype=torch.uint8), False
+
+
+class Codec:
+    """Turns a flat fp32 vector into bytes and back; subclasses define the format."""
+
+    name: str
+
+    def wire_bytes(self, numel: int) -> int:
+        """Exact size of ``encode`` of a vector with ``numel`` elements."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        """Encode a 1-D contiguous float32 CPU tensor; non-finite input raises CodecError."""
+        raise NotImplementedError
+
+    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        """Decode ``numel`` values; raises CodecError for a mis-sized or invalid payload."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name}>"
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    """True if no value is NaN or Inf."""
+    # A sum is non-finite whenever a term is, and is far cheaper than an
+    # elementwise check; only a sum that overflows needs the exact check.
+    return bool(torch.isfinite(values.sum(dtype=torch.float32))) or bool(torch.isfinite(values).all())
+
+
+class FloatCodec(Codec):
+    """Each value cast to a float type (round to nearest even); fp16 saturates at ±65504."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+
+    def wire_bytes(self, numel: int) -> int:
+        return numel * self.itemsize
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        _check_input(x)
+        y = x.to(self.dtype)
+        if not _all_finite(y):
+            if not _all_finite(x):
+                raise CodecError("non_finite_input")
+            # Finite input that overflowed the narrower type: saturate rather
+            # than send an Inf that every receiver would have to reject.
+            limit = torch.finfo(self.dtype).max
+            y = x.clamp(-limit, limit).to(self.dtype)
+        return y.view(torch.uint8).numpy().tobytes()
+
+    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        if numel < 0:
+            raise CodecError("bad_size", f"numel {numel}")
+        raw, private = _payload(data, self.wire_bytes(numel))
+        out = raw.view(self.dtype).to(torch.float32)
+        if out.data_ptr() == raw.data_ptr() and not private:
+            out = out.clone()  # never alias a buffer the caller may reuse
+        if not _all_finite(out):
+            raise CodecError("non_finite_value")
+        return out
+
+
+class BlockCodec(Codec):
+    """Blockwise absmax quantization: one fp32 scale per block, then the codes.
+
+    Subclasses set ``base_name`` and ``qmax`` (scale = absmax / qmax), the
+    code bytes of a block of ``length`` values, and how scaled values become
+    code bytes and code bytes become values.
+    """
+
+    base_name: str
+    qmax: float
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size < 2 or block_size % 2:
+            raise ValueError(f"block_size must be an even number >= 2, got {block_size}")
+        self.block_size = block_size
+        self.name = self.base_name if block_size == DEFAULT_BLOCK_SIZE else f"{self.base_name}-b{block_size}"
+        self.chunk_blocks = max(1, CHUNK_ELEMS // block_size)
+
+    def block_bytes(self, length: int) -> int:
+        raise NotImplementedError
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Code bytes, shape (blocks, block_bytes(length)), of values divided by their block's scale."""
+        raise NotImplementedError
+
+    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the values of code bytes (blocks, block_bytes(length)) into ``out`` (blocks, length)."""
+        raise NotImplementedError
+
+    def _check_codes(self, codes: torch.Tensor, numel: int) -> None:
+        """Raise CodecError for code bytes no encoder produces (cheap checks only)."""
+
+    def wire_bytes(self, numel: int) -> int:
+        full, rest = divmod(numel, self.block_size)
+        return 4 * (full + (rest > 0)) + full * self.block_bytes(self.block_size) + (self.block_bytes(rest) if rest else 0)
+
+    def _pieces(self, numel: int):
+        """(first element, blocks, block length) per step: runs of whole blocks, then the short last block."""
+        full = numel // self.block_size * self.block_size
+        step = self.chunk_blocks * self.block_size
+        for start in range(0, full, step):
+            yield start, min(step, full - start) // self.block_size, self.block_size
+        if numel > full:
+            yield full, 1, numel - full
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        _check_input(x)
+        numel, nblocks = x.numel(), -(-x.numel() // self.block_size)
+        out = torch.empty(self.wire_bytes(numel), dtype=torch.uint8)
+        scales, codes = out[: 4 * nblocks].view(torch.float32), out[4 * nblocks :]
+        for start, count, length in self._pieces(numel):
+            blocks = x[start : start + count * length].view(count, length)
+            absmax = blocks.abs().amax(dim=1)  # NaN propagates, so this also checks the values
+            if not torch.isfinite(absmax).all():
+                raise CodecError("non_finite_input")
+            scale = (absmax / self.qmax).clamp_(max=SCALE_LIMIT)
+            first = start // self.block_size
+            scales[first : first + count] = scale
+            # An all-zero block has scale 0; dividing by 1 keeps its codes 0.
+            packed = self._quantize(blocks / torch.where(scale > 0, scale, 1.0).unsqueeze(1))
+            offset = first * self.block_bytes(self.block_size)
+            codes[offset : offset + packed.numel()] = packed.view(-1)
+        return out.numpy().tobytes()
+
+    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        if numel < 0:
+            raise CodecError("bad_size", f"numel {numel}")
+        raw, _ = _payload(data, self.wire_bytes(numel))
+        nblocks = -(-numel // self.block_size)
+        scales, codes = raw[: 4 * nblocks].view(torch.float32), raw[4 * nblocks :]
+        if not torch.isfinite(scales).all():
+            raise CodecError("non_finite_scale")
+        if (scales < 0).any():
+            raise CodecError("negative_scale")
+        if (scales > SCALE_LIMIT).any():
+            raise CodecError("scale_overflow")
+        self._check_codes(codes, numel)
+        out = torch.empty(numel, dtype=torch.float32)
+        for start, count, length in self._pieces(numel):
+            first = start // self.block_size
+            offset = first * self.block_bytes(self.block_size)
+            part = codes[offset : offset + count * self.block_bytes(length)].view(count, -1)
+            self._dequantize(part, scales[first : first + count], out[start : start + count * length].view(count, length))
+        return out
+
+
+class Int8Codec(BlockCodec):
+    """Symmetric int8, round to nearest even: |error| <= scale / 2 per block."""
+
+    base_name, qmax = "int8", 127.0
+
+    def block_bytes(self, length: int) -> int:
+        return length
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+
+    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mul(codes.view(torch.int8), scale.unsqueeze(1), out=out)
+
+    def _check_codes(self, codes: torch.Tensor, numel: int) -> None:
+        if numel and int(codes.view(torch.int8).min()) == -128:  # outside the symmetric grid
+            raise CodecError("bad_code", "int8 code -128")
+
+
+class Nibble4Codec(BlockCodec):
+    """Two 4-bit codes per byte, code = 8 + level for a level in -7..7 (code 0 is invalid).
+
+    In a block of ``length`` values, ``h = ceil(length / 2)``: byte ``j`` holds
+    value ``j`` in its low nibble and value ``j + h`` in its high nibble (the
+    two halves of a block pack with contiguous, vectorised reads). A block of
+    odd length ends with a pad nibble that must be 8.
+    """
+
+    values16: torch.Tensor  # float32[16]: unscaled value of each code; NaN for code 0
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        super().__init__(block_size)
+        byte = torch.arange(256)
+        # Both values of every possible byte, side by side; as one int64 per
+        # byte, decoding is a single gather over the packed bytes.
+        pairs = torch.stack([self.values16[byte & 15], self.values16[byte >> 4]], dim=1)
+        self.table = pairs.contiguous().view(torch.int64).view(256)
+
+    def block_bytes(self, length: int) -> int:
+        return (length + 1) // 2
+
+    def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
+        """The code (8 + level, as float32) of each scaled value."""
+        raise NotImplementedError
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        codes = self._codes(scaled)
+        half = self.block_bytes(codes.shape[1])
+        if codes.shape[1] % 2:
+            codes = torch.cat([codes, codes.new_full((codes.shape[0], 1), 8.0)], dim=1)
+        return torch.add(codes[:, :half], codes[:, half:], alpha=16).to(torch.uint8)
+
+    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        count, half = codes.shape
+        pairs = self.table.index_select(0, codes.reshape(-1).to(torch.int32)).view(torch.float32)
+        halves = pairs.view(count, half, 2).transpose(1, 2)  # (blocks, low/high, half)
+        if 2 * half == out.shape[1]:
+            torch.mul(halves, scale.view(-1, 1, 1), out=out.view(count, 2, half))
+        else:
+            out.copy_((halves * scale.view(-1, 1, 1)).reshape(count, 2 * half)[:, : out.shape[1]])
+        if not _all_finite(out):  # only code 0 decodes to NaN
+            raise CodecError("bad_code", "4-bit code 0")
+
+    def _check_codes(self, codes: torch.Tensor, numel: int) -> None:
+        if numel % self.block_size % 2 and int(codes[-1]) >> 4 != 8:
+            raise CodecError("bad_padding", "pad nibble is not 8")
+
+
+class Int4Codec(Nibble4Codec):
+    """Uniform levels -7..7 times absmax / 7, round to nearest even: |error| <= scale / 2."""
+
+    base_name, qmax = "int4", 7.0
+    values16 = torch.cat([torch.tensor([float("nan")]), torch.arange(-7.0, 8.0)])
+
+    def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.round_().clamp_(-7, 7).add_(8)
+
+
+def _fp4_values() -> torch.Tensor:
+    level = torch.arange(-7.0, 8.0)
+    power = torch.ldexp(torch.ones(15), (level.abs() - 7).to(torch.int32))
+    return torch.cat([torch.tensor([float("nan")]), torch.where(level == 0, 0.0, level.sign() * power)])
+
+
+class FP4Codec(Nibble4Codec):
+    """FP4 E3M0: level ±e is ±2^(e-7) * absmax, level 0 is 0; |error| <= max(|x| / 3, absmax / 128)."""
+
+    base_name, qmax = "fp4", 1.0
+    values16 = _fp4_values()
+
+    def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
+        magnitude = scaled.abs()
+        # Adding half a mantissa carries into the exponent exactly when the
+        # value is at least 1.5 * 2^k, i.e. nearer to 2^(k+1) than to 2^k; the
+        # resulting biased exponent 120 + e is that of 2^(e - 7).
+        exponent = ((magnitude.view(torch.int32) + 0x00400000) >> 23).to(torch.float32)
+        level = exponent.sub_(120).clamp_(0, 7)
+        # From 2^-7 (exact midpoint between 0 and 2^-6) up, the level is at least 1.
+        level = torch.maximum(level, magnitude.mul_(128).floor_().clamp_(max=1))
+        return torch.copysign(level, scaled).add_(8)
+
+
+CODECS: dict[str, Codec] = {
+    codec.name: codec
+    for codec in (
+        FloatCodec("fp32", torch.float32),
+        FloatCodec("fp16", torch.float16),
+        FloatCodec("bf16", torch.bfloat16),
+        Int8Codec(),
+        Int4Codec(),
+        FP4Codec(),
+    )
+}
+
+
+def get_codec(name: str) -> Codec:
+    """The registered codec called ``name``; ValueError naming the choices otherwise."""
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"swarm.codec: unknown codec {name!r} (choose from {', '.join(CODECS)})") from None
+
+
+class ErrorFeedback:
+    """Keeps what a lossy codec dropped from one flat vector and adds it back next round.
+
+    Per round: ``sent = compensate(x)``, transmit ``encode(sent)``, then
+    ``update(sent, decode(encode(sent)))``; or all three at once with ``encode``.
+    """
+
+    def __init__(self, numel: int) -> None:
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        self.residual = torch.zeros(numel, dtype=torch.float32)
+
+    def compensate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus the residual left by earlier rounds (a new tensor)."""
+        if x.shape != self.residual.shape:
+            raise ValueError(f"error feedback holds {self.residual.numel()} values, got shape {tuple(x.shape)}")
+        return x + self.residual
+
+    def update(self, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        """Remember what the receivers did not get: ``compensated - transmitted``."""
+        torch.sub(compensated, transmitted, out=self.residual)
+
+    def encode(self, codec: Codec, x: torch.Tensor) -> bytes:
+        """Compensate ``x``, encode it, and keep the new residual; returns the payload."""
+        compensated = self.compensate(x)
+        payload = codec.encode(compensated)  # raises before the residual changes
+        self.update(compensated, codec.decode(payload, compensated.numel()))
+        return payload
+
+    def reset(self) -> None:
+        self.residual.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"residual": self.residual.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        residual = state.get("residual") if isinstance(state, dict) else None
+        if not isinstance(residual, torch.Tensor) or residual.dim() != 1 or not residual.is_floating_point():
+            raise ValueError("error feedback state needs a 1-D float tensor 'residual'")
+        if residual.numel() != self.residual.numel():
+            raise ValueError(f"error feedback residual has {residual.numel()} values, expected {self.residual.numel()}")
+        if not torch.isfinite(residual).all():
+            raise ValueError("error feedback residual holds non-finite values")
+        self.residual = residual.detach().to(device="cpu", dtype=torch.float32).clone()

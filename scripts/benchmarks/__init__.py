@@ -1,0 +1,23 @@
+"""Registry of benchmarks run by ``scripts/bench.py``.
+
+``BENCHMARKS`` maps a name to ``run(args) -> dict`` (see bench.py for what
+the dict holds); ``ARGUMENTS`` optionally maps the same name to a hook that
+adds the benchmark's own command-line options to an argparse group. To add a
+benchmark, write ``scripts/benchmarks/NAME.py`` with ``run`` (and
+``add_arguments`` if it has options) and register both here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from . import codecs
+
+BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "codecs": codecs.run,
+}
+
+ARGUMENTS: dict[str, Callable[[Any], None]] = {
+    "codecs": codecs.add_arguments,
+}

@@ -1,0 +1,90 @@
+"""Benchmark ``codecs``: speed, size and error of every wire codec.
+
+For each codec on one Gaussian fp32 vector (25M elements, 5M with --quick):
+median encode and decode seconds over several repeats (both measured in the
+same loop, so they see the same machine state), the exact wire size, the
+ratio to fp32, and the time the payload takes on a 1 Gbit/s link
+(bytes * 8 / 1e9). ``speedup_vs_1gbit`` = send time / (encode + decode);
+the goal (issue 5) is at least 10, i.e. compression never the bottleneck of
+a 1 Gbit/s peer. ``rel_error`` = ||decode(encode(x)) - x|| / ||x||.
+
+Decode gets ``bytes``, as payloads arrive from the network, so its time
+includes the copy a read-only buffer needs before torch can use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from p2p.codecs import CODECS, get_codec
+
+LINK_BITS_PER_S = 1e9
+GOAL_SPEEDUP = 10.0
+COLUMNS = ["codec", "wire_MB", "ratio_vs_fp32", "encode_s", "decode_s", "send_1gbit_s",
+           "speedup_vs_1gbit", "meets_10x", "rel_error"]
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--numel", type=int, help="vector length (default 25,000,000; 5,000,000 with --quick)")
+    group.add_argument("--repeats", type=int, help="timed repeats per codec, median reported (default 5; 3 with --quick)")
+    group.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codecs (default: all)")
+
+
+def time_codec(name: str, x: torch.Tensor, repeats: int) -> dict:
+    codec = get_codec(name)
+    payload = codec.encode(x)  # warm-up: first calls pay for allocator growth
+    codec.decode(payload, x.numel())
+    encode_s, decode_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        payload = codec.encode(x)
+        t1 = time.perf_counter()
+        y = codec.decode(payload, x.numel())
+        t2 = time.perf_counter()
+        encode_s.append(t1 - t0)
+        decode_s.append(t2 - t1)
+    enc, dec = statistics.median(encode_s), statistics.median(decode_s)
+    send_s = len(payload) * 8 / LINK_BITS_PER_S
+    speedup = send_s / (enc + dec)
+    return {
+        "codec": name,
+        "wire_bytes": len(payload),
+        "wire_MB": len(payload) / 1e6,
+        "ratio_vs_fp32": 4 * x.numel() / len(payload),
+        "encode_s": enc,
+        "decode_s": dec,
+        "encode_s_all": encode_s,
+        "decode_s_all": decode_s,
+        "send_1gbit_s": send_s,
+        "speedup_vs_1gbit": speedup,
+        "meets_10x": speedup >= GOAL_SPEEDUP,
+        "rel_error": ((y.double() - x.double()).norm() / x.double().norm()).item(),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    numel = args.numel or (5_000_000 if args.quick else 25_000_000)
+    repeats = args.repeats or (3 if args.quick else 5)
+    names = [n for n in args.codecs.split(",") if n]
+    for n in names:
+        get_codec(n)  # an unknown name fails before any timing
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    rows = [time_codec(n, x, repeats) for n in names]
+    failing = [r["codec"] for r in rows if not r["meets_10x"]]
+    return {
+        "numel": numel,
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "link_bits_per_s": LINK_BITS_PER_S,
+        "goal_speedup": GOAL_SPEEDUP,
+        "columns": COLUMNS,
+        "rows": rows,
+        "notes": [f"{numel:,} fp32 elements, median of {repeats}, {torch.get_num_threads()} torch threads; "
+                  f"goal: encode+decode >= {GOAL_SPEEDUP:g}x faster than sending over 1 Gbit/s; "
+                  + (f"missed by: {', '.join(failing)}" if failing else "met by all codecs")],
+    }

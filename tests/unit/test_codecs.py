@@ -1,0 +1,316 @@
+"""Wire codecs: error bounds, exact sizes, byte layout, determinism, hostile payloads, error feedback."""
+
+import numpy as np
+import pytest
+import torch
+
+from p2p.codecs import CHUNK_ELEMS, CODECS, CodecError, ErrorFeedback, FP4Codec, Int8Codec, get_codec
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 256
+BLOCK_CODECS = ("int8", "int4", "fp4")
+QMAX = {"int8": 127.0, "int4": 7.0, "fp4": 1.0}
+# numel 0 and 1, a partial block, exact blocks, and more than one encode chunk with a tail.
+SIZES = (0, 1, 2, 3, 255, 256, 257, 1000, CHUNK_ELEMS + 301)
+
+
+def gaussian(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def round_trip(name: str, x: torch.Tensor) -> torch.Tensor:
+    codec = get_codec(name)
+    return codec.decode(codec.encode(x), x.numel())
+
+
+def scales_of(payload: bytes, numel: int) -> torch.Tensor:
+    nblocks = -(-numel // BLOCK)
+    return torch.from_numpy(np.frombuffer(payload[: 4 * nblocks], dtype="<f4").copy())
+
+
+def per_block(values: torch.Tensor) -> torch.Tensor:
+    """Values padded with zeros to whole blocks, one block per row."""
+    padded = torch.zeros(-(-values.numel() // BLOCK) * BLOCK)
+    padded[: values.numel()] = values
+    return padded.view(-1, BLOCK)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("name", list(CODECS))
+def test_wire_bytes_exact_and_shape(name, numel):
+    codec = get_codec(name)
+    x = gaussian(numel)
+    payload = codec.encode(x)
+    assert isinstance(payload, bytes) and len(payload) == codec.wire_bytes(numel)
+    y = codec.decode(payload, numel)
+    assert y.dtype == torch.float32 and y.shape == (numel,) and torch.isfinite(y).all()
+
+
+def test_fp32_exact_fp16_bf16_relative():
+    x = gaussian(10_000) * 10.0 ** torch.randint(-4, 4, (10_000,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(round_trip("fp32", x).view(torch.int32), x.view(torch.int32))
+    # Round to nearest: half a unit in the last place of an 11-bit / 8-bit
+    # significand; fp16 subnormals (below 2^-14) have a fixed step of 2^-24.
+    assert ((round_trip("fp16", x) - x).abs() <= x.abs() * 2.0**-11 + 2.0**-25).all()
+    assert ((round_trip("bf16", x) - x).abs() <= x.abs() * 2.0**-8).all()
+
+
+def test_fp16_saturates_instead_of_overflowing():
+    y = round_trip("fp16", torch.tensor([1e6, -1e6, 1.0]))
+    assert y.tolist() == [65504.0, -65504.0, 1.0]
+
+
+@pytest.mark.parametrize("numel", (257, 1000, CHUNK_ELEMS + 301))
+@pytest.mark.parametrize("name", ("int8", "int4"))
+def test_uniform_grid_error_at_most_half_a_step(name, numel):
+    x = gaussian(numel) * 1e-3
+    payload = get_codec(name).encode(x)
+    scale = scales_of(payload, numel)
+    blocks = per_block(x)
+    assert torch.allclose(scale, blocks.abs().amax(dim=1) / QMAX[name])
+    error = per_block(get_codec(name).decode(payload, numel) - x)
+    assert (error.abs() <= scale.unsqueeze(1) * (0.5 + 1e-6)).all()
+
+
+def test_fp4_error_bound_and_grid():
+    x = gaussian(CHUNK_ELEMS + 301) * 1e-2
+    payload = get_codec("fp4").encode(x)
+    absmax = scales_of(payload, x.numel())
+    y = get_codec("fp4").decode(payload, x.numel())
+    # Nearest power of two is off by at most a third of the value; below 2^-7
+    # of the block's absmax a value goes to 0 (off by at most absmax / 128).
+    bound = torch.maximum(per_block(x).abs() / 3, absmax.unsqueeze(1) / 128) * (1 + 1e-6)
+    assert (per_block(y - x).abs() <= bound).all()
+    ratio = (per_block(y).abs() / absmax.unsqueeze(1)).flatten()
+    grid = torch.tensor([0.0] + [2.0**-k for k in range(7)])
+    assert torch.isin(ratio, grid).all()
+
+
+def test_fp4_rounds_to_nearest_ties_away_from_zero():
+    x = torch.tensor([1.0, 0.75, 0.74, -0.375, 2.0**-7, 0.99 * 2.0**-7, 0.0, -0.0, 0.012, -2.0**-6])
+    expected = [1.0, 1.0, 0.5, -0.5, 2.0**-6, 0.0, 0.0, 0.0, 2.0**-6, -(2.0**-6)]
+    assert round_trip("fp4", x).tolist() == expected
+
+
+def test_block_layout_matches_the_documented_format():
+    numel = 2 * BLOCK + 7  # a short odd last block: its last byte carries a pad nibble
+    x = gaussian(numel)
+    nblocks, lengths = 3, [BLOCK, BLOCK, 7]
+    for name in BLOCK_CODECS:
+        payload = get_codec(name).encode(x)
+        scale = np.repeat(np.frombuffer(payload[: 4 * nblocks], dtype="<f4"), BLOCK)[:numel]
+        body = np.frombuffer(payload[4 * nblocks :], dtype=np.uint8)
+        if name == "int8":
+            values = body.view(np.int8).astype(np.float32) * scale
+        else:
+            codes, offset = [], 0
+            for length in lengths:  # byte j: value j low, value j + ceil(length / 2) high
+                block = body[offset : offset + (length + 1) // 2]
+                codes.append(np.concatenate([block & 15, block >> 4])[:length])
+                offset += len(block)
+            assert offset == len(body) and body[-1] >> 4 == 8
+            level = np.concatenate(codes).astype(np.float32) - 8
+            assert level.min() >= -7
+            grid = level if name == "int4" else np.where(level != 0, np.sign(level) * np.exp2(np.abs(level) - 7), 0)
+            values = grid.astype(np.float32) * scale
+        decoded = get_codec(name).decode(payload, numel).numpy()
+        assert np.array_equal(decoded.view(np.int32), (values + 0.0).astype(np.float32).view(np.int32)), name
+
+
+def test_compression_ratios():
+    numel = 1000 * BLOCK
+    raw = 4 * numel
+    ratio = {name: raw / get_codec(name).wire_bytes(numel) for name in CODECS}
+    assert ratio["fp32"] == 1.0 and ratio["fp16"] == 2.0 and ratio["bf16"] == 2.0
+    # One fp32 scale per 256 values: 1024 / (256 + 4) bytes and 1024 / (128 + 4) bytes.
+    assert ratio["int8"] == pytest.approx(1024 / 260) and ratio["int8"] > 3.9
+    assert ratio["int4"] == ratio["fp4"] == pytest.approx(1024 / 132) and ratio["fp4"] >= 7.5
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_deterministic_and_independent_of_buffer_type(name):
+    codec, x = get_codec(name), gaussian(5000)
+    payload = codec.encode(x)
+    assert codec.encode(x.clone()) == payload
+    first = codec.decode(payload, x.numel())
+    for buffer in (payload, bytearray(payload), memoryview(payload), memoryview(bytearray(payload))):
+        assert torch.equal(codec.decode(buffer, x.numel()).view(torch.int32), first.view(torch.int32))
+
+
+def test_decoded_tensor_does_not_alias_the_payload():
+    buffer = bytearray(get_codec("fp32").encode(torch.ones(4)))
+    y = get_codec("fp32").decode(buffer, 4)
+    buffer[:] = bytes(len(buffer))
+    assert y.tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_mis_sized_payloads_are_rejected(name):
+    codec, numel = get_codec(name), 1000
+    payload = codec.encode(gaussian(numel))
+    for data, n in ((payload[:-1], numel), (payload + b"\0", numel), (payload[:10], numel),
+                    (b"", numel), (payload, numel + 2), (payload, numel - 2), (payload, -1)):
+        with pytest.raises(CodecError) as err:
+            codec.decode(data, n)
+        assert err.value.reason == "bad_size"
+    assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("bad", (float("nan"), float("inf"), float("-inf")))
+def test_non_finite_input_is_not_encoded(name, bad):
+    x = gaussian(600)
+    x[300] = bad
+    with pytest.raises(CodecError) as err:
+        get_codec(name).encode(x)
+    assert err.value.reason == "non_finite_input"
+
+
+@pytest.mark.parametrize("name", ("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("bad", (float("nan"), float("inf")))
+def test_non_finite_float_payload_is_rejected(name, bad):
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    values = torch.zeros(10, dtype=dtype)
+    values[7] = bad
+    with pytest.raises(CodecError) as err:
+        get_codec(name).decode(values.view(torch.uint8).numpy().tobytes(), 10)
+    assert err.value.reason == "non_finite_value"
+
+
+@pytest.mark.parametrize("name", BLOCK_CODECS)
+@pytest.mark.parametrize("scale, reason", [(float("nan"), "non_finite_scale"), (float("inf"), "non_finite_scale"),
+                                           (-1.0, "negative_scale"), (1e38, "scale_overflow")])
+def test_poisoned_scales_are_rejected(name, scale, reason):
+    codec = get_codec(name)
+    payload = bytearray(codec.encode(gaussian(600)))
+    payload[4:8] = np.float32(scale).tobytes()  # scale of the second block
+    with pytest.raises(CodecError) as err:
+        codec.decode(payload, 600)
+    assert err.value.reason == reason
+
+
+def test_int8_code_outside_the_symmetric_grid_is_rejected():
+    payload = bytearray(get_codec("int8").encode(gaussian(300)))
+    payload[-1] = 0x80
+    with pytest.raises(CodecError) as err:
+        get_codec("int8").decode(payload, 300)
+    assert err.value.reason == "bad_code"
+
+
+@pytest.mark.parametrize("name", ("int4", "fp4"))
+def test_bad_pad_nibble_and_code_zero_are_rejected(name):
+    payload = get_codec(name).encode(gaussian(301))
+    padded = bytearray(payload)
+    padded[-1] ^= 0x10  # pad nibble 8 -> 9
+    with pytest.raises(CodecError) as err:
+        get_codec(name).decode(padded, 301)
+    assert err.value.reason == "bad_padding"
+    for position in (4 * 2 + 5, 4 * 2 + 140, len(payload) - 2):  # code 0 in a full block and in the short one
+        for mask in (0xF0, 0x0F):
+            zeroed = bytearray(payload)
+            zeroed[position] &= mask
+            with pytest.raises(CodecError) as err:
+                get_codec(name).decode(zeroed, 301)
+            assert err.value.reason == "bad_code"
+
+
+@pytest.mark.parametrize("name", BLOCK_CODECS)
+def test_all_zero_blocks_and_single_values(name):
+    x = torch.cat([torch.zeros(BLOCK), gaussian(BLOCK), torch.zeros(10)])
+    payload = get_codec(name).encode(x)
+    assert scales_of(payload, x.numel())[[0, 2]].tolist() == [0.0, 0.0]
+    y = get_codec(name).decode(payload, x.numel())
+    assert torch.equal(y[:BLOCK], torch.zeros(BLOCK)) and torch.equal(y[-10:], torch.zeros(10))
+    for value in (0.0, 3.5, -2e-7):  # a lone value is its block's absmax, so it survives exactly
+        assert torch.equal(round_trip(name, torch.tensor([value])), torch.tensor([value]))
+
+
+def test_registry_and_custom_block_size():
+    assert list(CODECS) == ["fp32", "fp16", "bf16", "int8", "int4", "fp4"]
+    assert all(codec.name == name for name, codec in CODECS.items())
+    with pytest.raises(ValueError, match=r"swarm.codec: unknown codec 'int3' \(choose from fp32, fp16"):
+        get_codec("int3")
+    codec = Int8Codec(block_size=128)
+    assert codec.name == "int8-b128" and codec.wire_bytes(300) == 3 * 4 + 300
+    x = gaussian(300)
+    assert torch.allclose(codec.decode(codec.encode(x), 300), x, atol=x.abs().max().item() / 127)
+    for bad in (0, 1, 255):
+        with pytest.raises(ValueError):
+            FP4Codec(block_size=bad)
+
+
+def test_encode_wants_flat_contiguous_float32_cpu():
+    for x in (torch.zeros(4, dtype=torch.float64), torch.zeros(2, 2), torch.zeros(8)[::2]):
+        with pytest.raises(ValueError, match="1-D contiguous float32"):
+            get_codec("int8").encode(x)
+
+
+def cumulative_drift(name: str, signal: torch.Tensor, rounds: int, feedback: bool) -> list[float]:
+    """Max |sum of what was transmitted - sum of the true signal| after each round."""
+    codec, ef = get_codec(name), ErrorFeedback(signal.numel())
+    sent = torch.zeros_like(signal, dtype=torch.float64)
+    drift = []
+    for r in range(1, rounds + 1):
+        payload = ef.encode(codec, signal) if feedback else codec.encode(signal)
+        sent += codec.decode(payload, signal.numel()).double()
+        drift.append((sent - r * signal.double()).abs().max().item())
+    return drift
+
+
+@pytest.mark.parametrize("name", ("int4", "fp4", "int8"))
+def test_error_feedback_keeps_cumulative_sum_on_track(name):
+    # One large value per block and many small ones: 4-bit codecs round the
+    # small ones to 0 every round, so without feedback they are never sent.
+    signal = torch.full((4 * BLOCK + 10,), 1e-3)
+    signal[::BLOCK] = 1.0
+    signal[1::3] *= -1
+    rounds = 200
+    with_feedback = cumulative_drift(name, signal, rounds, feedback=True)
+    # The drift is minus the residual, so in every round it stays within one
+    # rounding error of the compensated vector (block absmax ~1): half a grid
+    # step for int8/int4, and for fp4 the gap below its smallest level 2^-6.
+    bound = {"int8": 0.5 / 127, "int4": 0.5 / 7, "fp4": 2.0**-7}[name] * 1.01
+    assert max(with_feedback) <= bound
+    if name != "int8":
+        without = cumulative_drift(name, signal, rounds, feedback=False)
+        assert without[-1] == pytest.approx(rounds * 1e-3, rel=1e-3)  # grows linearly
+        assert without[-1] > 2 * bound
+
+
+def test_error_feedback_steps_and_state_dict():
+    codec, x = get_codec("int4"), gaussian(700)
+    ef = ErrorFeedback(700)
+    assert torch.equal(ef.compensate(x), x)
+    payload = ef.encode(codec, x)
+    assert payload == codec.encode(x)
+    assert torch.equal(ef.residual, x - codec.decode(payload, 700))
+    manual = ErrorFeedback(700)
+    manual.load_state_dict(ef.state_dict())
+    compensated = manual.compensate(x)
+    manual.update(compensated, codec.decode(codec.encode(compensated), 700))
+    ef.encode(codec, x)
+    assert torch.equal(manual.residual, ef.residual)
+
+    state = ef.state_dict()
+    state["residual"].add_(1.0)  # a copy: the live residual is untouched
+    assert not torch.equal(state["residual"], ef.residual)
+    restored = ErrorFeedback(700)
+    restored.load_state_dict(ef.state_dict())
+    assert torch.equal(restored.residual, ef.residual)
+    ef.reset()
+    assert torch.equal(ef.residual, torch.zeros(700))
+
+    for bad in ({"residual": torch.zeros(699)}, {}, {"residual": [0.0] * 700},
+                {"residual": torch.full((700,), float("nan"))}, {"residual": torch.zeros(700, dtype=torch.int64)}):
+        with pytest.raises(ValueError):
+            restored.load_state_dict(bad)
+    with pytest.raises(ValueError):
+        restored.compensate(torch.zeros(5))
+
+
+def test_error_feedback_keeps_residual_when_encode_refuses():
+    ef, x = ErrorFeedback(3), torch.tensor([1.0, 0.01, float("nan")])
+    with pytest.raises(CodecError):
+        ef.encode(get_codec("fp4"), x)
+    assert torch.equal(ef.residual, torch.zeros(3))
