@@ -285,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             _fail(str(exc))
             return 2
         raise
+    except BrokenPipeError:
+        # Output piped into something that stopped reading (`| head`): not an error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ConnectionError, RuntimeError) as exc:
         _fail(str(exc))
         return 1

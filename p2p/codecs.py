@@ -66,9 +66,11 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"codec input must be a 1-D contiguous float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
-def _payload(data: bytes | bytearray | memoryview, expected: int) -> tuple[torch.Tensor, bool]:
+def _payload(codec: Codec, data: bytes | bytearray | memoryview, numel: int) -> tuple[torch.Tensor, bool]:
     """The payload as a uint8 tensor after checking its exact size, and whether it is a private copy."""
-    view = memoryview(data).cast("B")
+    if numel < 0:
+        raise CodecError("bad_size", f"numel {numel}")
+    view, expected = memoryview(data).cast("B"), codec.wire_bytes(numel)
     if view.nbytes != expected:
         raise CodecError("bad_size", f"got {view.nbytes} bytes, expected {expected}")
     if expected == 0:
@@ -94,9 +96,6 @@ class Codec:
     def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
         """Decode ``numel`` values; raises CodecError for a mis-sized or invalid payload."""
         raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"<codec {self.name}>"
 
 
 def _all_finite(values: torch.Tensor) -> bool:
@@ -129,9 +128,7 @@ class FloatCodec(Codec):
         return y.view(torch.uint8).numpy().tobytes()
 
     def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        if numel < 0:
-            raise CodecError("bad_size", f"numel {numel}")
-        raw, private = _payload(data, self.wire_bytes(numel))
+        raw, private = _payload(self, data, numel)
         out = raw.view(self.dtype).to(torch.float32)
         if out.data_ptr() == raw.data_ptr() and not private:
             out = out.clone()  # never alias a buffer the caller may reuse
@@ -143,9 +140,12 @@ class FloatCodec(Codec):
 class BlockCodec(Codec):
     """Blockwise absmax quantization: one fp32 scale per block, then the codes.
 
-    Subclasses set ``base_name`` and ``qmax`` (scale = absmax / qmax), the
-    code bytes of a block of ``length`` values, and how scaled values become
-    code bytes and code bytes become values.
+    Subclasses set ``base_name`` and ``qmax`` (scale = absmax / qmax) and
+    define ``block_bytes(length)`` (code bytes of a block of ``length``
+    values), ``_quantize(scaled)`` (values divided by their block's scale,
+    shape (blocks, length) -> code bytes (blocks, block_bytes(length))) and
+    ``_dequantize(codes, scale, out)`` (writes the values into ``out``, raising
+    CodecError for codes no encoder produces).
     """
 
     base_name: str
@@ -158,23 +158,9 @@ class BlockCodec(Codec):
         self.name = self.base_name if block_size == DEFAULT_BLOCK_SIZE else f"{self.base_name}-b{block_size}"
         self.chunk_blocks = max(1, CHUNK_ELEMS // block_size)
 
-    def block_bytes(self, length: int) -> int:
-        raise NotImplementedError
-
-    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
-        """Code bytes, shape (blocks, block_bytes(length)), of values divided by their block's scale."""
-        raise NotImplementedError
-
-    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the values of code bytes (blocks, block_bytes(length)) into ``out`` (blocks, length)."""
-        raise NotImplementedError
-
-    def _check_codes(self, codes: torch.Tensor, numel: int) -> None:
-        """Raise CodecError for code bytes no encoder produces (cheap checks only)."""
-
     def wire_bytes(self, numel: int) -> int:
         full, rest = divmod(numel, self.block_size)
-        return 4 * (full + (rest > 0)) + full * self.block_bytes(self.block_size) + (self.block_bytes(rest) if rest else 0)
+        return 4 * -(-numel // self.block_size) + full * self.block_bytes(self.block_size) + self.block_bytes(rest)
 
     def _pieces(self, numel: int):
         """(first element, blocks, block length) per step: runs of whole blocks, then the short last block."""
@@ -205,9 +191,7 @@ class BlockCodec(Codec):
         return out.numpy().tobytes()
 
     def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        if numel < 0:
-            raise CodecError("bad_size", f"numel {numel}")
-        raw, _ = _payload(data, self.wire_bytes(numel))
+        raw, _ = _payload(self, data, numel)
         nblocks = -(-numel // self.block_size)
         scales, codes = raw[: 4 * nblocks].view(torch.float32), raw[4 * nblocks :]
         if not torch.isfinite(scales).all():
@@ -216,7 +200,6 @@ class BlockCodec(Codec):
             raise CodecError("negative_scale")
         if (scales > SCALE_LIMIT).any():
             raise CodecError("scale_overflow")
-        self._check_codes(codes, numel)
         out = torch.empty(numel, dtype=torch.float32)
         for start, count, length in self._pieces(numel):
             first = start // self.block_size
@@ -238,11 +221,9 @@ class Int8Codec(BlockCodec):
         return scaled.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-        torch.mul(codes.view(torch.int8), scale.unsqueeze(1), out=out)
-
-    def _check_codes(self, codes: torch.Tensor, numel: int) -> None:
-        if numel and int(codes.view(torch.int8).min()) == -128:  # outside the symmetric grid
+        if int(codes.view(torch.int8).min()) == -128:  # outside the symmetric grid
             raise CodecError("bad_code", "int8 code -128")
+        torch.mul(codes.view(torch.int8), scale.unsqueeze(1), out=out)
 
 
 class Nibble4Codec(BlockCodec):
@@ -254,7 +235,9 @@ class Nibble4Codec(BlockCodec):
     odd length ends with a pad nibble that must be 8.
     """
 
-    values16: torch.Tensor  # float32[16]: unscaled value of each code; NaN for code 0
+    # Subclasses give values16 (float32[16]: the unscaled value of each code,
+    # NaN for code 0) and _codes(scaled) (the code of each value, as float32).
+    values16: torch.Tensor
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         super().__init__(block_size)
@@ -267,10 +250,6 @@ class Nibble4Codec(BlockCodec):
     def block_bytes(self, length: int) -> int:
         return (length + 1) // 2
 
-    def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
-        """The code (8 + level, as float32) of each scaled value."""
-        raise NotImplementedError
-
     def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         codes = self._codes(scaled)
         half = self.block_bytes(codes.shape[1])
@@ -280,6 +259,8 @@ class Nibble4Codec(BlockCodec):
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         count, half = codes.shape
+        if out.shape[1] % 2 and int(codes[-1, -1]) >> 4 != 8:
+            raise CodecError("bad_padding", "pad nibble is not 8")
         pairs = self.table.index_select(0, codes.reshape(-1).to(torch.int32)).view(torch.float32)
         halves = pairs.view(count, half, 2).transpose(1, 2)  # (blocks, low/high, half)
         if 2 * half == out.shape[1]:
@@ -288,10 +269,6 @@ class Nibble4Codec(BlockCodec):
             out.copy_((halves * scale.view(-1, 1, 1)).reshape(count, 2 * half)[:, : out.shape[1]])
         if not _all_finite(out):  # only code 0 decodes to NaN
             raise CodecError("bad_code", "4-bit code 0")
-
-    def _check_codes(self, codes: torch.Tensor, numel: int) -> None:
-        if numel % self.block_size % 2 and int(codes[-1]) >> 4 != 8:
-            raise CodecError("bad_padding", "pad nibble is not 8")
 
 
 class Int4Codec(Nibble4Codec):
@@ -304,17 +281,12 @@ class Int4Codec(Nibble4Codec):
         return scaled.round_().clamp_(-7, 7).add_(8)
 
 
-def _fp4_values() -> torch.Tensor:
-    level = torch.arange(-7.0, 8.0)
-    power = torch.ldexp(torch.ones(15), (level.abs() - 7).to(torch.int32))
-    return torch.cat([torch.tensor([float("nan")]), torch.where(level == 0, 0.0, level.sign() * power)])
-
-
 class FP4Codec(Nibble4Codec):
     """FP4 E3M0: level ±e is ±2^(e-7) * absmax, level 0 is 0; |error| <= max(|x| / 3, absmax / 128)."""
 
     base_name, qmax = "fp4", 1.0
-    values16 = _fp4_values()
+    _levels = torch.arange(-7.0, 8.0)
+    values16 = torch.cat([torch.tensor([float("nan")]), _levels.sign() * torch.ldexp(torch.ones(15), _levels.abs().int() - 7)])
 
     def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
         magnitude = scaled.abs()
@@ -328,17 +300,9 @@ class FP4Codec(Nibble4Codec):
         return torch.copysign(level, scaled).add_(8)
 
 
-CODECS: dict[str, Codec] = {
-    codec.name: codec
-    for codec in (
-        FloatCodec("fp32", torch.float32),
-        FloatCodec("fp16", torch.float16),
-        FloatCodec("bf16", torch.bfloat16),
-        Int8Codec(),
-        Int4Codec(),
-        FP4Codec(),
-    )
-}
+_ALL = (FloatCodec("fp32", torch.float32), FloatCodec("fp16", torch.float16), FloatCodec("bf16", torch.bfloat16),
+        Int8Codec(), Int4Codec(), FP4Codec())
+CODECS: dict[str, Codec] = {codec.name: codec for codec in _ALL}
 
 
 def get_codec(name: str) -> Codec:

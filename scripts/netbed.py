@@ -360,8 +360,11 @@ class Testbed:
             _cmd("ip", "-n", self.switch, "link", "set", "br0", "up")
             for i in range(self._hosts):
                 self._add_host(i)
-        except BaseException:
-            self.down()
+        except BaseException as exc:
+            try:
+                self.down()
+            except Exception as cleanup:  # the first error is the one to report
+                exc.add_note(f"and tearing down failed: {cleanup}")
             raise
         return self
 
@@ -515,6 +518,8 @@ def _signal(pid: int, signum: int) -> None:
 
 def measure_tcp(tb: Testbed, src: int, dst: int, seconds: float = 3.0, port: int = 5201) -> float:
     """TCP throughput from host src to host dst in bits/s, as the receiver sees it."""
+    if src == dst:
+        raise ValueError(f"measure between two different hosts, got h{src} -> h{dst}")
     nominal = min(tb.rates[src], tb.rates[dst])
     max_bytes = int(nominal / 8 * seconds * 2) + (1 << 20)  # bound the run even if shaping failed
     # A send buffer of ~0.2 s of traffic: enough to keep the link full, small enough that the

@@ -84,7 +84,6 @@ def test_refuses_to_clobber_a_foreign_namespace():
         tb = netbed.Testbed(2, prefix=p)
         with pytest.raises(netbed.TestbedError, match="already exist"):
             tb.up()
-        assert netbed.list_namespaces().count(foreign) == 1
         assert leftovers(p) == [foreign]
         assert netbed.read_marker(p) is None
         with pytest.raises(netbed.TestbedError, match="not created by a testbed"):
@@ -95,7 +94,7 @@ def test_refuses_to_clobber_a_foreign_namespace():
 
 
 @pytest.mark.timeout(30)
-def test_refuses_a_testbed_owned_by_another_instance_and_cleans_a_dead_ones_with_force():
+def test_refuses_a_testbed_owned_by_another_instance_and_cleans_up_after_a_dead_one_with_force():
     p = prefix("owned")
     with netbed.Testbed(1, prefix=p):
         with pytest.raises(netbed.TestbedError, match="running process"):
@@ -165,9 +164,10 @@ def test_two_node_swarm_trains_across_the_testbed(tmp_path):
         addr = wait_for(lambda: listening(first), 60, "node 0 to listen")
         peer_id = re.search(r"/p2p/(\w+)", addr).group(1)
         nodes = [first, start(tb, 1, "--bootstrap", f"/ip4/{tb.host_ip(0)}/tcp/31337/p2p/{peer_id}")]
+        deadline = time.monotonic() + 100
         for i, node in enumerate(nodes):
             try:
-                code = node.wait(timeout=100)
+                code = node.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 code = None
             assert code == 0, f"node {i} exit {code}:\n{logs[i].read_text()[-3000:]}"

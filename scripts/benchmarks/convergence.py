@@ -1,0 +1,134 @@
+"""Benchmark `convergence`: DiLoCo vs data-parallel training vs one worker, in one process.
+
+All runs share the model, the data shards, AdamW and its schedule:
+- DiLoCo: k workers (the in-process simulator, the same code a swarm peer runs),
+  H inner steps per round, token-weighted outer Nesterov step;
+- DDP: k workers whose gradients are averaged every step (same global batch and
+  same total tokens as DiLoCo);
+- single: one worker alone for the same number of steps (k times fewer tokens).
+
+Eval loss is measured on the fixed held-out split after every H steps.
+Bytes per worker are what each worker sends on the wire with a butterfly (or
+ring) all-reduce of fp32 values: 2(k-1)/k x parameters x 4 bytes per sync;
+DiLoCo syncs once per round, DDP once per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from trainer.baselines import DataParallel
+from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
+from trainer.data import load_corpus
+from trainer.simulator import Simulator
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--workers", type=int, default=4, help="k workers (default 4)")
+    group.add_argument("--inner-steps", type=int, default=0, help="H (default 100; 20 with --quick)")
+    group.add_argument("--rounds", type=int, default=0, help="outer rounds (default 20; 6 with --quick)")
+    group.add_argument("--batch-size", type=int, default=0, help="sequences per worker step (default 8; 4 with --quick)")
+    group.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default 128; 64 with --quick)")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def _configs(args):
+    steps = args.inner_steps * args.rounds
+    data = DataConfig(batch_size=args.batch_size, seq_len=args.seq_len)
+    inner = InnerConfig(steps=args.inner_steps, lr=1e-3, warmup_steps=min(100, steps // 10), total_steps=steps)
+    return ModelConfig(preset="tiny"), data, inner
+
+
+def _defaults(args) -> None:
+    quick = args.quick
+    args.inner_steps = args.inner_steps or (20 if quick else 100)
+    args.rounds = args.rounds or (6 if quick else 20)
+    args.batch_size = args.batch_size or (4 if quick else 8)
+    args.seq_len = args.seq_len or (64 if quick else 128)
+    if min(args.workers, args.inner_steps, args.rounds, args.batch_size, args.seq_len) < 1:
+        raise SystemExit("convergence: --workers, --inner-steps, --rounds, --batch-size, --seq-len must be >= 1")
+
+
+def run(args: argparse.Namespace) -> dict:
+    _defaults(args)
+    k, H, R = args.workers, args.inner_steps, args.rounds
+    model, data, inner = _configs(args)
+    corpus = load_corpus([])
+    tokens_per_worker_step = args.batch_size * args.seq_len
+    curves: dict[str, list[tuple[int, float]]] = {}
+    seconds: dict[str, float] = {}
+
+    def diloco(name: str, workers: int, outer: OuterConfig) -> float:
+        started = time.perf_counter()
+        sim = Simulator(workers, model=model, data=data, inner=inner, outer=outer, corpus=corpus, seed=args.seed)
+        records = sim.run_sync(R, H)
+        curves[name] = [((i + 1) * H * workers * tokens_per_worker_step, r["eval_loss"]) for i, r in enumerate(records)]
+        seconds[name] = time.perf_counter() - started
+        print(f"  {name}: eval loss {records[-1]['eval_loss']:.4f} ({seconds[name]:.0f}s)", flush=True)
+        return records[-1]["eval_loss"]
+
+    diloco_loss = diloco("diloco", k, OuterConfig())
+    # One worker, outer lr 1 and no momentum: plain AdamW (the outer step just adopts θ_local).
+    single_loss = diloco("single", 1, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
+
+    started = time.perf_counter()
+    ddp = DataParallel(k, model=model, data=data, inner=inner, corpus=corpus, seed=args.seed)
+    curves["ddp"] = []
+    for r in range(R):
+        ddp.train(H)
+        curves["ddp"].append(((r + 1) * H * ddp.tokens_per_step, ddp.eval_loss()))
+    seconds["ddp"] = time.perf_counter() - started
+    ddp_loss = curves["ddp"][-1][1]
+    print(f"  ddp: eval loss {ddp_loss:.4f} ({seconds['ddp']:.0f}s)", flush=True)
+
+    params = sum(p.numel() for p in ddp.holder.global_params)
+    per_sync = 2 * (k - 1) / k * params * 4
+    result = {
+        "workers": k,
+        "inner_steps": H,
+        "rounds": R,
+        "codec": "fp32",
+        "parameters": params,
+        "tokens": R * H * k * tokens_per_worker_step,
+        "diloco_eval_loss": diloco_loss,
+        "ddp_eval_loss": ddp_loss,
+        "single_eval_loss": single_loss,
+        "diloco_bytes_per_worker": int(per_sync * R),
+        "ddp_bytes_per_worker": int(per_sync * R * H),
+        "diloco_vs_ddp_loss": diloco_loss / ddp_loss - 1,
+        "ddp_vs_diloco_bytes": H,
+        "seconds": seconds,
+        "curves": curves,
+    }
+    result["rows"] = [
+        {"run": "diloco", "eval_loss": diloco_loss, "tokens": result["tokens"], "bytes_per_worker": result["diloco_bytes_per_worker"]},
+        {"run": "ddp", "eval_loss": ddp_loss, "tokens": result["tokens"], "bytes_per_worker": result["ddp_bytes_per_worker"]},
+        {"run": "single", "eval_loss": single_loss, "tokens": result["tokens"] // k, "bytes_per_worker": 0},
+    ]
+    _plot(curves, Path(args.out) / "convergence.png", k, H)
+    return result
+
+
+def _plot(curves, path: Path, k: int, H: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (matplotlib not installed: pip install -e .[bench] for the plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = {"diloco": f"DiLoCo, {k} workers, H={H}", "ddp": f"data-parallel, {k} workers", "single": "one worker"}
+    for name, points in curves.items():
+        ax.plot([t / 1e6 for t, _ in points], [l for _, l in points], marker=".", label=labels.get(name, name))
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("held-out eval loss")
+    ax.set_title("Convergence at equal tokens (tiny model, in-process)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
