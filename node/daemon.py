@@ -182,6 +182,10 @@ class Node:
         if checkpoint is not None:
             self.worker.load_state_dict(checkpoint["worker"])
             self.loop_.round_step = int(checkpoint.get("round_step", 0))
+            numel = sum(p.numel() for p in self.worker.global_params)
+            feedback = rounds.ensure_feedback(numel)
+            if feedback is not None and checkpoint.get("feedback") is not None:
+                feedback.load_state_dict(checkpoint["feedback"])
             log.info("resumed from %s at round %d (inner step %d)", cfg.node.checkpoint_dir,
                      self.worker.round, self.worker.inner_step)
         self.metrics.round.set(self.worker.round)
@@ -200,8 +204,10 @@ class Node:
         from trainer.checkpoint import save_checkpoint
 
         started = time.monotonic()
+        feedback = self.loop_.rounds.feedback
         state = {"run_id": self.config.node.run_id, "round_step": self.loop_.round_step,
-                 "worker": self.worker.state_dict()}
+                 "worker": self.worker.state_dict(),
+                 "feedback": feedback.state_dict() if feedback is not None else None}
         await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - started)

@@ -45,6 +45,11 @@ class SwarmConfig:
     round_timeout: float = 60.0
     # Seconds to wait for any single network call (connect, one message).
     request_timeout: float = 20.0
+    # Codec of pseudo-gradients on the wire: fp32 (lossless), fp16, bf16, int8,
+    # int4 or fp4 (4-bit, FP4 E3M0). Every peer of a run must use the same one.
+    codec: str = "fp32"
+    # Add back next round what a lossy codec dropped (error feedback).
+    error_feedback: bool = True
     # Size of the pieces a joining peer fetches from donors in parallel
     # (each verified on arrival); smaller spreads a small state over more donors.
     state_chunk_bytes: int = 4 * 1024 * 1024
@@ -60,6 +65,9 @@ class SwarmConfig:
         for addr in self.announce:
             require("/tcp/0/" not in addr + "/", "swarm.announce", f"needs an explicit port, not 0: {addr!r}")
         require(self.min_peers >= 1, "swarm.min_peers", f"must be >= 1 (got {self.min_peers})")
+        from p2p.codecs import CODECS
+
+        require(self.codec in CODECS, "swarm.codec", f"must be one of {', '.join(CODECS)} (got {self.codec!r})")
         require(64 * 1024 <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
                 f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
         for key in ("gather_timeout", "round_timeout", "request_timeout", "heartbeat_interval"):

@@ -1,10 +1,11 @@
 """One averaging group: the agreed members of a round and the state of its all-reduce.
 
 The all-reduce is a butterfly: the flat pseudo-gradient is cut into one
-contiguous part per member; member ``j`` receives part ``j`` from everyone,
-reduces it once (weighted sum in member order, so the result does not depend
-on arrival order) and sends the same bytes back to all. Every member thus ends
-with a bit-identical average. Before anyone applies it, members exchange a
+contiguous part per member; member ``j`` receives part ``j`` from everyone
+(encoded with the swarm's codec), reduces it once (weighted sum in member
+order, so the result does not depend on arrival order), encodes the average
+once and sends the same bytes back to all. Every member decodes those bytes,
+so all end with a bit-identical average. Before anyone applies it, members exchange a
 digest of the whole averaged vector (``votes``): a round commits only if every
 member reports the same digest.
 """
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2p.codecs import Codec, CodecError
+from p2p.compression import average_part, encode_parts, part_bounds
+
 
 class RoundFailed(Exception):
     """The group cannot commit; ``reason`` is a metric label."""
@@ -25,17 +29,6 @@ class RoundFailed(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-
-
-def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """Split [0, numel) into ``parts`` contiguous ranges of near-equal size."""
-    base, extra = divmod(numel, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def digest(vector: torch.Tensor, group_id: bytes) -> bytes:
@@ -53,8 +46,9 @@ class Group:
     round: int
     members: list[str]
     me: str
-    flat: torch.Tensor  # this peer's contribution (fp32, 1-D)
+    flat: torch.Tensor  # this peer's contribution (fp32, 1-D), error feedback already added
     weight: float
+    codec: Codec
     contributions: dict[int, tuple[float, torch.Tensor]] = field(default_factory=dict)
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
@@ -66,7 +60,9 @@ class Group:
         self.result = torch.empty_like(self.flat)
         self._changed = asyncio.Event()
         self._reduced: bytes | None = None
-        self.add_contribution(self.index, self.weight, self.flat[slice(*self.bounds[self.index])])
+        # What we send for each part, and what its receiver will decode (for error feedback).
+        self.payloads, self.sent = encode_parts(self.codec, self.flat, self.bounds)
+        self.add_contribution(self.index, self.weight, self.sent[slice(*self.bounds[self.index])])
 
     @property
     def leader(self) -> str:
@@ -81,6 +77,17 @@ class Group:
     def part_numel(self, index: int) -> int:
         start, end = self.bounds[index]
         return end - start
+
+    def wire_bytes(self, index: int) -> int:
+        """Size of an encoded part ``index``, both ways."""
+        return self.codec.wire_bytes(self.part_numel(index))
+
+    def decode(self, index: int, data: bytes) -> torch.Tensor:
+        """Decode part ``index`` from a peer; refuse anything malformed."""
+        try:
+            return self.codec.decode(data, self.part_numel(index))
+        except CodecError as e:
+            raise RoundFailed("bad_payload", e.reason) from None
 
     # ---- events ----------------------------------------------------------------
 
@@ -122,23 +129,18 @@ class Group:
         self._changed.set()
 
     async def reduced_part(self, deadline: float) -> bytes:
-        """The averaged part this peer owns, once every member contributed."""
+        """The encoded average of the part this peer owns, once every member contributed."""
         await self._wait(lambda: len(self.contributions) == len(self.members), deadline)
         if self._reduced is None:
-            total = math.fsum(w for w, _ in self.contributions.values())
-            acc = torch.zeros(self.part_numel(self.index), dtype=torch.float32)
-            for i in range(len(self.members)):  # fixed order: same bytes whatever the arrival order
-                w, part = self.contributions[i]
-                acc.add_(part, alpha=w / total)
-            self._reduced = acc.numpy().tobytes()
+            # Fixed member order: the same bytes whatever the arrival order.
+            self._reduced = average_part(self.codec, [self.contributions[i] for i in range(len(self.members))])
             self.place(self.index, self._reduced)
         return self._reduced
 
     def place(self, index: int, data: bytes) -> None:
+        """Store the encoded average of part ``index`` (from its owner, or our own)."""
         start, end = self.bounds[index]
-        if len(data) != (end - start) * 4:
-            raise RoundFailed("bad_size")
-        self.result[start:end] = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        self.result[start:end] = self.decode(index, data)
 
     # ---- vote --------------------------------------------------------------------
 

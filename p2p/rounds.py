@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p import faults
+from p2p.codecs import ErrorFeedback, get_codec
+from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
 from p2p.group import Group, RoundFailed, digest
 from p2p.swarm import Swarm, peer_id_from
@@ -56,18 +58,6 @@ class _Waiting:
     group: asyncio.Future
 
 
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
-
-
-def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t).clone())
-        offset += t.numel()
-    return out
-
-
 class RoundProtocol:
     """``average(tensors, weight, round)`` over the swarm; see the module docstring."""
 
@@ -78,6 +68,10 @@ class RoundProtocol:
         self.min_peers = cfg.min_peers
         self.gather_timeout = cfg.gather_timeout
         self.deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
+        self.codec = get_codec(cfg.codec)
+        # What the codec dropped from our contributions, added back next round (lossy codecs only).
+        self.use_feedback = cfg.error_feedback and self.codec.name != "fp32"
+        self.feedback: ErrorFeedback | None = None
         self.request_timeout = cfg.request_timeout
         self._names = {k: f"gonka.{swarm.run_id}.{k}" for k in ("begin", "part", "vote")}
         self._waiting: _Waiting | None = None
@@ -94,8 +88,16 @@ class RoundProtocol:
 
     # ---- the averaging interface ---------------------------------------------------
 
+    def ensure_feedback(self, numel: int) -> ErrorFeedback | None:
+        """The error-feedback residual for vectors of ``numel`` values (None if not used)."""
+        if self.use_feedback and self.feedback is None:
+            self.feedback = ErrorFeedback(numel)
+        return self.feedback
+
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
-        flat = flatten(tensors)
+        raw = flatten(tensors)
+        feedback = self.ensure_feedback(raw.numel())
+        flat = feedback.compensate(raw) if feedback is not None else raw
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future())
@@ -128,6 +130,8 @@ class RoundProtocol:
         finally:
             self._group = None
         seconds = time.monotonic() - gathered
+        if feedback is not None:  # only a committed round consumes the residual
+            feedback.update(flat, group.sent)
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds)
@@ -179,11 +183,12 @@ class RoundProtocol:
         waiting = self._waiting
         if waiting.group.done():
             return waiting.group.result()
-        group = Group(os.urandom(16), round, members, self.swarm.peer_id, waiting.flat, waiting.weight)
+        group = Group(os.urandom(16), round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec)
         self._install(group)
         waiting.group.set_result(group)
         others = [p for p in members if p != self.swarm.peer_id]
-        header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel()}
+        header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
+                  "codec": self.codec.name}
         results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
         refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
         if not refused:
@@ -224,8 +229,7 @@ class RoundProtocol:
 
     async def _exchange(self, group: Group, j: int, deadline: float) -> None:
         """Send our slice of member j's part, receive j's averaged part."""
-        start, end = group.bounds[j]
-        data = group.flat[start:end].numpy().tobytes()
+        data = group.payloads[j]
         peer = group.members[j]
         loop = asyncio.get_running_loop()
         _, reader, writer = await self._open(peer, "part")
@@ -239,7 +243,7 @@ class RoundProtocol:
             reply, _ = await read_frame(reader, max(0.1, deadline - loop.time()))
             if not reply.get("ok"):
                 raise RoundFailed(str(reply.get("reason", "peer_failed"))[:40])
-            averaged = await self._read_payload(reader, len(data), deadline)
+            averaged = await self._read_payload(reader, group.wire_bytes(j), deadline)
             group.place(j, averaged)
             faults.checkpoint("gather", group.round + 1, len(group.members))
         finally:
@@ -343,7 +347,10 @@ class RoundProtocol:
             return
         if numel != waiting.flat.numel():
             raise RoundFailed("bad_size")
-        group = Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight)
+        if header.get("codec") != self.codec.name:
+            await _reply(writer, {"ok": False, "reason": "codec_mismatch"})
+            return
+        group = Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec)
         self._install(group)
         waiting.group.set_result(group)
         await _reply(writer, {"ok": True})
@@ -352,13 +359,13 @@ class RoundProtocol:
         group, index = await self._group_for(sender, header)
         weight = hfield(header, "w", float)
         nbytes = hfield(header, "nbytes", int)
-        if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.part_numel(group.index) * 4:
+        if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.wire_bytes(group.index):
             group.fail("bad_size")
             raise RoundFailed("bad_size")
         deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
         data = await self._read_payload(reader, nbytes, deadline)
         try:
-            group.add_contribution(index, weight, torch.frombuffer(bytearray(data), dtype=torch.float32))
+            group.add_contribution(index, weight, group.decode(group.index, data))
         except RoundFailed as e:
             group.fail(e.reason)
             raise

@@ -11,7 +11,9 @@ import asyncio
 
 import torch
 
-from trainer.averaging import InProcessGroup
+from typing import Callable
+
+from trainer.averaging import Averager, InProcessGroup
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.diloco import DiLoCoWorker, run_round
 
@@ -28,7 +30,9 @@ class Simulator:
         corpus: torch.Tensor,
         seed: int,
         fail: set[tuple[int, int]] | frozenset = frozenset(),
+        wrap: Callable[[int, Averager], Averager] | None = None,
     ) -> None:
+        """``wrap(i, member)`` may replace worker i's averager, e.g. to compress on the way."""
         # One seed for all: every worker starts from the same θ, as peers do.
         self.workers = [
             DiLoCoWorker(
@@ -39,6 +43,8 @@ class Simulator:
         ]
         self.group = InProcessGroup(k, fail=fail)
         self._members = [self.group.member(i) for i in range(k)]
+        if wrap is not None:
+            self._members = [wrap(i, m) for i, m in enumerate(self._members)]
 
     async def run(self, rounds: int, steps: int) -> list[dict]:
         """``rounds`` outer rounds of ``steps`` inner steps each; one record per round."""

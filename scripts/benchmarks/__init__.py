@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import codecs
+from . import codecs, convergence
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "codecs": codecs.run,
+    "convergence": convergence.run,
 }
 
 ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "codecs": codecs.add_arguments,
+    "convergence": convergence.add_arguments,
 }

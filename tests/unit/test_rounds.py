@@ -8,7 +8,9 @@ import torch
 
 from node.metrics import NodeMetrics
 from p2p.config import SwarmConfig
-from p2p.group import Group, part_bounds
+from p2p.codecs import get_codec
+from p2p.compression import part_bounds
+from p2p.group import Group
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
 
@@ -21,10 +23,10 @@ def rejected(metrics: NodeMetrics, reason: str) -> float:
     return metrics.registry.get_sample_value("gonka_node_rejected_messages_total", {"reason": reason}) or 0.0
 
 
-async def start_peers(n: int, run: str = "t", min_peers: int = 1):
+async def start_peers(n: int, run: str = "t", min_peers: int = 1, codec: str = "fp32"):
     peers, first = [], None
     for _ in range(n):
-        cfg = SwarmConfig(bootstrap=first.maddrs if first else [], min_peers=min_peers, **FAST)
+        cfg = SwarmConfig(bootstrap=first.maddrs if first else [], min_peers=min_peers, codec=codec, **FAST)
         metrics = NodeMetrics()
         swarm = await Swarm.start(cfg, run, identity_path=None,
                                   on_reject=lambda reason, m=metrics: m.rejected_messages.labels(reason=reason).inc())
@@ -67,13 +69,35 @@ async def test_weighted_average_is_bit_identical_on_every_member():
         await stop_peers(peers)
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp4"])
+async def test_compressed_average_is_bit_identical_and_keeps_the_residual(codec):
+    peers = await start_peers(3, min_peers=3, codec=codec)
+    try:
+        torch.manual_seed(1)
+        inputs = [[torch.randn(1000)] for _ in peers]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(r.average(x, 1.0, 0) for (_, r, _), x in zip(peers, inputs))), 60)
+        assert all(res is not None and torch.equal(res[0], results[0][0]) for res in results)
+        mean = sum(x[0] for x in inputs) / 3
+        error = (results[0][0] - mean).norm() / mean.norm()
+        assert error < (0.02 if codec == "int8" else 0.5), error
+        for (_, r, m), x in zip(peers, inputs):
+            # Error feedback kept exactly what this member's encoding dropped.
+            sent = x[0] - r.feedback.residual
+            assert r.feedback.residual.abs().max() > 0
+            assert (sent - x[0]).abs().max() <= x[0].abs().max()
+            assert m.registry.get_sample_value("gonka_node_sent_bytes_total") < 1000 * 4 * 2
+    finally:
+        await stop_peers(peers)
+
+
 async def test_stranger_and_garbage_are_refused_and_counted():
     peers = await start_peers(3)
     (a, ra, ma), (b, rb, mb), (stranger, rs, _) = peers
     try:
         # a and b form a group; the stranger tries to vote in it.
         members = sorted([a.peer_id, b.peer_id])
-        group = Group(os.urandom(16), 0, members, a.peer_id, torch.zeros(8), 1.0)
+        group = Group(os.urandom(16), 0, members, a.peer_id, torch.zeros(8), 1.0, get_codec("fp32"))
         ra._install(group)
         reply, _ = await rs._call(a.peer_id, "vote", {"g": group.id, "digest": b"x" * 16})
         assert reply == {"ok": False, "reason": "not_a_member"}

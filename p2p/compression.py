@@ -1,0 +1,91 @@
+"""Where a codec touches the all-reduce: the two quantisation points of a round.
+
+1. A member encodes its (error-compensated) pseudo-gradient once per part of the
+   butterfly: ``encode_parts``. What the receivers will decode (``sent``) is
+   what error feedback subtracts to keep the residual.
+2. The owner of a part averages the decoded contributions in member order and
+   encodes the average once: ``average_part``. Every member decodes those same
+   bytes, so all end bit-identical.
+
+The swarm (``p2p/group.py``) and the in-process simulator
+(``CompressingMember``) both use these functions, so compressed convergence
+measured in-process is the swarm's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from p2p.codecs import Codec, ErrorFeedback
+
+
+def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split [0, numel) into ``parts`` contiguous ranges of near-equal size."""
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def encode_parts(codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]]) -> tuple[list[bytes], torch.Tensor]:
+    """One payload per part, and the values the receivers will decode from them."""
+    payloads, sent = [], torch.empty_like(flat)
+    for start, end in bounds:
+        payload = codec.encode(flat[start:end].contiguous())
+        payloads.append(payload)
+        sent[start:end] = codec.decode(payload, end - start)
+    return payloads, sent
+
+
+def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]]) -> bytes:
+    """Token-weighted mean of one part's contributions, in the order given, encoded once."""
+    total = math.fsum(w for w, _ in contributions)
+    acc = torch.zeros_like(contributions[0][1])
+    for w, part in contributions:
+        acc.add_(part, alpha=w / total)
+    return codec.encode(acc)
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t).clone())
+        offset += t.numel()
+    return out
+
+
+class CompressingMember:
+    """Simulator averager: what the swarm's codec does to one member's round, around an
+    exact in-process average of the k members (``trainer.averaging.InProcessGroup``)."""
+
+    def __init__(self, inner, codec: Codec, members: int, *, feedback: bool = True) -> None:
+        self.inner = inner
+        self.codec = codec
+        self.members = members
+        self.feedback = feedback
+        self._ef: ErrorFeedback | None = None
+
+    async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
+        flat = flatten(tensors)
+        if self.feedback and self._ef is None:
+            self._ef = ErrorFeedback(flat.numel())
+        compensated = self._ef.compensate(flat) if self._ef is not None else flat
+        bounds = part_bounds(flat.numel(), self.members)
+        _, sent = encode_parts(self.codec, compensated, bounds)
+        averaged = await self.inner.average(unflatten(sent, tensors), weight, round)
+        if averaged is None:
+            return None
+        if self._ef is not None:
+            self._ef.update(compensated, sent)
+        # The owners' re-encoding of each averaged part, decoded by everyone.
+        _, received = encode_parts(self.codec, flatten(averaged), bounds)
+        return unflatten(received, tensors)
