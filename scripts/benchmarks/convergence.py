@@ -5,12 +5,15 @@ All runs share the model, the data shards, AdamW and its schedule:
   H inner steps per round, token-weighted outer Nesterov step;
 - DDP: k workers whose gradients are averaged every step (same global batch and
   same total tokens as DiLoCo);
-- single: one worker alone for the same number of steps (k times fewer tokens).
+- single: one worker alone for the same number of steps (k times fewer tokens);
+- DiLoCo again with pseudo-gradients compressed by --codec (default fp4), with
+  and without error feedback, through the same encode/average/re-encode
+  functions the swarm's all-reduce uses (p2p/compression.py).
 
 Eval loss is measured on the fixed held-out split after every H steps.
 Bytes per worker are what each worker sends on the wire with a butterfly (or
-ring) all-reduce of fp32 values: 2(k-1)/k x parameters x 4 bytes per sync;
-DiLoCo syncs once per round, DDP once per step.
+ring) all-reduce: 2(k-1)/k x encoded size of the parameters per sync (4 bytes
+per value in fp32); DiLoCo syncs once per round, DDP once per step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import argparse
 import time
 from pathlib import Path
 
+from p2p.codecs import get_codec
+from p2p.compression import CompressingMember
 from trainer.baselines import DataParallel
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import load_corpus
@@ -32,6 +37,7 @@ def add_arguments(group) -> None:
     group.add_argument("--batch-size", type=int, default=0, help="sequences per worker step (default 8; 4 with --quick)")
     group.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default 128; 64 with --quick)")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--codec", default="fp4", help="codec of the compressed DiLoCo runs (default fp4)")
 
 
 def _configs(args):
@@ -60,9 +66,12 @@ def run(args: argparse.Namespace) -> dict:
     curves: dict[str, list[tuple[int, float]]] = {}
     seconds: dict[str, float] = {}
 
-    def diloco(name: str, workers: int, outer: OuterConfig) -> float:
+    codec = get_codec(args.codec)
+
+    def diloco(name: str, workers: int, outer: OuterConfig, wrap=None) -> float:
         started = time.perf_counter()
-        sim = Simulator(workers, model=model, data=data, inner=inner, outer=outer, corpus=corpus, seed=args.seed)
+        sim = Simulator(workers, model=model, data=data, inner=inner, outer=outer, corpus=corpus, seed=args.seed,
+                        wrap=wrap)
         records = sim.run_sync(R, H)
         curves[name] = [((i + 1) * H * workers * tokens_per_worker_step, r["eval_loss"]) for i, r in enumerate(records)]
         seconds[name] = time.perf_counter() - started
@@ -70,6 +79,10 @@ def run(args: argparse.Namespace) -> dict:
         return records[-1]["eval_loss"]
 
     diloco_loss = diloco("diloco", k, OuterConfig())
+    compressed_loss = diloco(f"diloco_{codec.name}_ef", k, OuterConfig(),
+                             wrap=lambda i, m: CompressingMember(m, codec, k, feedback=True))
+    no_feedback_loss = diloco(f"diloco_{codec.name}", k, OuterConfig(),
+                              wrap=lambda i, m: CompressingMember(m, codec, k, feedback=False))
     # One worker, outer lr 1 and no momentum: plain AdamW (the outer step just adopts θ_local).
     single_loss = diloco("single", 1, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
 
@@ -85,11 +98,12 @@ def run(args: argparse.Namespace) -> dict:
 
     params = sum(p.numel() for p in ddp.holder.global_params)
     per_sync = 2 * (k - 1) / k * params * 4
+    per_sync_compressed = 2 * (k - 1) / k * codec.wire_bytes(params)
     result = {
         "workers": k,
         "inner_steps": H,
         "rounds": R,
-        "codec": "fp32",
+        "codec": codec.name,
         "parameters": params,
         "tokens": R * H * k * tokens_per_worker_step,
         "diloco_eval_loss": diloco_loss,
@@ -97,8 +111,14 @@ def run(args: argparse.Namespace) -> dict:
         "single_eval_loss": single_loss,
         "diloco_bytes_per_worker": int(per_sync * R),
         "ddp_bytes_per_worker": int(per_sync * R * H),
+        "diloco_uncompressed_eval_loss": diloco_loss,
+        "diloco_compressed_eval_loss": compressed_loss,
+        "diloco_no_feedback_eval_loss": no_feedback_loss,
+        "diloco_compressed_bytes_per_worker": int(per_sync_compressed * R),
         "diloco_vs_ddp_loss": diloco_loss / ddp_loss - 1,
+        "compressed_vs_uncompressed_loss": compressed_loss / diloco_loss - 1,
         "ddp_vs_diloco_bytes": H,
+        "ddp_vs_compressed_bytes": per_sync * H / per_sync_compressed,
         "seconds": seconds,
         "curves": curves,
     }
@@ -106,6 +126,10 @@ def run(args: argparse.Namespace) -> dict:
         {"run": "diloco", "eval_loss": diloco_loss, "tokens": result["tokens"], "bytes_per_worker": result["diloco_bytes_per_worker"]},
         {"run": "ddp", "eval_loss": ddp_loss, "tokens": result["tokens"], "bytes_per_worker": result["ddp_bytes_per_worker"]},
         {"run": "single", "eval_loss": single_loss, "tokens": result["tokens"] // k, "bytes_per_worker": 0},
+        {"run": f"diloco {codec.name} + error feedback", "eval_loss": compressed_loss, "tokens": result["tokens"],
+         "bytes_per_worker": result["diloco_compressed_bytes_per_worker"]},
+        {"run": f"diloco {codec.name}, no feedback", "eval_loss": no_feedback_loss, "tokens": result["tokens"],
+         "bytes_per_worker": result["diloco_compressed_bytes_per_worker"]},
     ]
     _plot(curves, Path(args.out) / "convergence.png", k, H)
     return result
@@ -121,7 +145,8 @@ def _plot(curves, path: Path, k: int, H: int) -> None:
         print("  (matplotlib not installed: pip install -e .[bench] for the plot)")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    labels = {"diloco": f"DiLoCo, {k} workers, H={H}", "ddp": f"data-parallel, {k} workers", "single": "one worker"}
+    labels = {"diloco": f"DiLoCo fp32, {k} workers, H={H}", "ddp": f"data-parallel, {k} workers",
+              "single": "one worker"}
     for name, points in curves.items():
         ax.plot([t / 1e6 for t, _ in points], [l for _, l in points], marker=".", label=labels.get(name, name))
     ax.set_xlabel("training tokens (millions)")
