@@ -36,6 +36,7 @@ that agree on a name agree on the format).
 
 from __future__ import annotations
 
+import abc
 import sys
 
 import torch
@@ -82,22 +83,22 @@ def _payload(codec: Codec, data: bytes | bytearray | memoryview, numel: int) -> 
     return torch.frombuffer(view, dtype=torch.uint8), False
 
 
-class Codec:
+class Codec(abc.ABC):
     """Turns a flat fp32 vector into bytes and back; subclasses define the format."""
 
     name: str
 
+    @abc.abstractmethod
     def wire_bytes(self, numel: int) -> int:
         """Exact size of ``encode`` of a vector with ``numel`` elements."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode(self, x: torch.Tensor) -> bytes:
         """Encode a 1-D contiguous float32 CPU tensor; non-finite input raises CodecError."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
         """Decode ``numel`` values; raises CodecError for a mis-sized or invalid payload."""
-        raise NotImplementedError
 
 
 def _all_finite(values: torch.Tensor) -> bool:

@@ -1,0 +1,290 @@
+"""Benchmark ``allreduce``: one outer sync on a rate-limited testbed, gonka-node vs hivemind vs gloo.
+
+Each configuration (system + codec) gets a fresh ``netbed.Testbed`` of
+``--peers`` hosts, every host capped at ``--rate`` both ways, and one process
+per host (``allreduce_peer.py``). Each peer averages its own fp32
+pseudo-gradient of ``--params`` normal values ``--repeats`` times; the
+medians are reported:
+
+- ``gonka-node``: ``RoundProtocol.average`` over a ``Swarm`` on the host's
+  testbed address, once per codec of ``p2p.codecs.CODECS`` (fp32 only if
+  ``SwarmConfig`` has no ``codec`` field), error feedback off so every repeat
+  syncs the same vector;
+- ``hivemind``: ``DecentralizedAverager.step`` (codecs none and float16;
+  its 8-bit codecs are broken with numpy >= 2.4, see DESIGN.md);
+- ``gloo``: ``torch.distributed.all_reduce`` (fp32).
+
+``seconds`` is end to end: from the moment the last peer calls the averaging
+function to the moment the last peer has the result, so it includes gonka's
+group formation and vote and hivemind's matchmaking (``min_matchmaking_time``
+2 s). ``allreduce_s`` is the exchange alone: gonka's
+``RoundOutcome.allreduce_seconds``, hivemind's time from its group being
+found to the result, gloo's all_reduce (slowest peer in each case).
+``bound_seconds`` is the bandwidth floor of any all-reduce,
+``2 (N-1)/N * wire size / (rate / 8)``, with the wire size of the codec;
+TCP over the testbed carries ~95.6% of the nominal rate, so a perfect
+implementation reaches a ratio of about 1.05.
+
+``wire_bytes_per_peer`` is gonka's own count of round traffic
+(``gonka_node_sent_bytes_total``, the mean over peers); ``nic_tx_bytes_per_peer``
+is what left each host's interface (all systems: headers, encryption and
+heartbeats included). ``identical``: every peer ended with bit-identical
+values; ``within_tol``: the result's relative error to the exact mean is
+under the codec's tolerance (``TOLERANCE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
+
+COLUMNS = ["system", "codec", "peers", "link_mbit", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
+           "seconds", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol"]
+# Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
+# Float codecs round twice (contribution, then average); block codecs lose up to half a level.
+TOLERANCE = {"fp32": 1e-6, "none": 1e-6, "fp16": 2e-3, "float16": 2e-3, "bf16": 1.5e-2,
+             "int8": 0.05, "int4": 0.6, "fp4": 0.6}
+HIVEMIND_CODECS = ["none", "float16"]
+STARTUP_SLACK = 90.0  # seconds for processes, p2pd and DHT to start and meet, per run
+EXIT_SLACK = 20.0  # the coordinator waits this long past a peer's own timeout
+
+
+class BenchError(RuntimeError):
+    """A configuration failed; the message names the peer and shows its log."""
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def rate_arg(text: str) -> str:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from netbed import parse_rate
+
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--peers", type=positive_int, default=4, help="testbed hosts, one peer each (default 4)")
+    group.add_argument("--rate", type=rate_arg, default="100mbit", help="every host's link, both ways (default 100mbit)")
+    group.add_argument("--params", type=positive_int, help="fp32 elements averaged (default 25,000,000; 5,000,000 with --quick)")
+    group.add_argument("--repeats", type=positive_int, help="syncs per configuration, median reported (default 3; 1 with --quick)")
+    group.add_argument("--systems", default="gonka-node,hivemind,gloo",
+                       help="comma-separated subset of gonka-node, hivemind, gloo (default: all)")
+    group.add_argument("--codecs", help="comma-separated gonka-node codecs (default: every codec of p2p.codecs)")
+    group.add_argument("--peer-timeout", type=float,
+                       help="seconds each peer process may live (default: from the size, rate and repeats)")
+
+
+# ---- what to run ---------------------------------------------------------------------
+
+
+def gonka_codecs(requested: str | None) -> list[str]:
+    from p2p.codecs import CODECS
+    from p2p.config import SwarmConfig
+
+    if "codec" not in SwarmConfig.__dataclass_fields__:
+        return ["fp32"]
+    names = [n for n in requested.split(",") if n] if requested else list(CODECS)
+    unknown = [n for n in names if n not in CODECS]
+    if unknown:
+        raise ValueError(f"--codecs: unknown codec {', '.join(unknown)} (choose from {', '.join(CODECS)})")
+    return names
+
+
+def wire_size(system: str, codec: str, params: int) -> int:
+    """Bytes of the whole vector as the system's codec puts it on the wire."""
+    if system == "gonka-node":
+        from p2p.codecs import get_codec
+
+        return get_codec(codec).wire_bytes(params)
+    return 2 * params if codec == "float16" else 4 * params
+
+
+def configurations(args) -> list[tuple[str, str]]:
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - {"gonka-node", "hivemind", "gloo"}
+    if unknown:
+        raise ValueError(f"--systems: unknown system {', '.join(sorted(unknown))} (gonka-node, hivemind, gloo)")
+    configs = []
+    if "gonka-node" in systems:
+        configs += [("gonka-node", c) for c in gonka_codecs(args.codecs)]
+    if "hivemind" in systems:
+        configs += [("hivemind", c) for c in HIVEMIND_CODECS]
+    if "gloo" in systems:
+        configs.append(("gloo", "fp32"))
+    return configs
+
+
+# ---- one configuration on its own testbed -------------------------------------------------
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:]) or "    (empty log)"
+
+
+def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) -> list[dict]:
+    """Start one peer per host, wait for all, return their result files (BenchError on any failure)."""
+    mode = {"gonka-node": "gonka", "hivemind": "hivemind", "gloo": "gloo"}[system]
+    workdir = Path(tempfile.mkdtemp(prefix=f"allreduce-{mode}-"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    try:
+        with netbed.Testbed(args.peers, rate=args.rate, prefix=f"ar{os.getpid()}-{tag}") as tb:
+            procs, logs = [], []
+            for i in range(args.peers):  # peer 0 first: the others bootstrap from it
+                log = workdir / f"peer{i}.log"
+                argv = [sys.executable, str(PEER_SCRIPT), "--mode", mode, "--index", i, "--peers", args.peers,
+                        "--ip", tb.host_ip(i), "--master", tb.host_ip(0), "--workdir", workdir,
+                        "--params", args.params, "--repeats", args.repeats, "--codec", codec,
+                        "--run-tag", f"{os.getpid()}{tag}", "--timeout", timeout]
+                with open(log, "wb") as f:
+                    procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, env=env))
+                logs.append(log)
+            deadline = time.monotonic() + timeout + EXIT_SLACK
+            pending = set(range(args.peers))
+            while pending:
+                for i in sorted(pending):
+                    code = procs[i].poll()
+                    if code is None:
+                        continue
+                    pending.discard(i)
+                    if code != 0:
+                        raise BenchError(f"{system}/{codec}: peer {i} ({tb.host_ip(i)}) exited with {code}; "
+                                         f"log tail:\n{log_tail(logs[i])}")
+                if time.monotonic() > deadline:
+                    i = min(pending)
+                    raise BenchError(f"{system}/{codec}: peer {i} ({tb.host_ip(i)}) still running after "
+                                     f"{timeout + EXIT_SLACK:.0f}s; log tail:\n{log_tail(logs[i])}")
+                time.sleep(0.1)
+            results = []
+            for i in range(args.peers):
+                try:
+                    results.append(json.loads((workdir / f"peer{i}.json").read_text()))
+                except (OSError, ValueError) as e:
+                    raise BenchError(f"{system}/{codec}: peer {i} exited 0 but its result is unreadable ({e}); "
+                                     f"log tail:\n{log_tail(logs[i])}") from None
+            return results
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -> dict:
+    """One table row from every peer's measurements."""
+    repeats = len(peers[0]["repeats"])
+    e2e, exchange, identical = [], [], True
+    for r in range(repeats):
+        per_peer = [p["repeats"][r] for p in peers]
+        e2e.append(max(x["t_exit"] for x in per_peer) - max(x["t_enter"] for x in per_peer))
+        exchange.append(max(x["allreduce_s"] for x in per_peer))
+        identical &= len({x["digest"] for x in per_peer}) == 1
+    sent = [x["sent_bytes"] for p in peers for x in p["repeats"]]
+    nic = [x["nic_tx_bytes"] for p in peers for x in p["repeats"]]
+    size = wire_size(system, codec, args.params)
+    bound = 2 * (args.peers - 1) / args.peers * size / (rate_bps / 8)
+    seconds = statistics.median(e2e)
+    rel_error = max(p["rel_error"] for p in peers)
+    return {
+        "system": system,
+        "codec": codec,
+        "peers": args.peers,
+        "link_mbit": rate_bps / 1e6,
+        "payload_bytes": 4 * args.params,
+        "wire_bytes_per_peer": None if None in sent else round(statistics.mean(sent)),
+        "nic_tx_bytes_per_peer": round(statistics.mean(nic)),
+        "seconds": seconds,
+        "allreduce_s": statistics.median(exchange),
+        "bound_seconds": bound,
+        "ratio_to_bound": seconds / bound,
+        "identical": identical,
+        "rel_error": rel_error,
+        "within_tol": rel_error <= TOLERANCE.get(codec, 1.0),
+        "seconds_all": e2e,
+        "allreduce_s_all": exchange,
+        "codec_wire_bytes": size,
+    }
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['system']}\n{r['codec']}" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
+    ax.bar([x - 0.2 for x in xs], [r.get("seconds") or 0 for r in rows], 0.4, label="measured (end to end)")
+    ax.bar([x + 0.2 for x in xs], [r["bound_seconds"] for r in rows], 0.4, label="bandwidth bound", color="lightgray")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("seconds per sync")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import netbed
+
+    args.params = args.params or (5_000_000 if args.quick else 25_000_000)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.peers < 2:
+        raise ValueError("--peers must be at least 2")
+    rate_bps = netbed.parse_rate(args.rate)
+    fp32_bound = 2 * (args.peers - 1) / args.peers * 4 * args.params / (rate_bps / 8)
+    # Generous: an implementation 8x off the fp32 bound still finishes; a hung one is cut off.
+    timeout = args.peer_timeout or STARTUP_SLACK + args.repeats * (8 * fp32_bound + 20)
+    rows, notes, raw = [], [], {}
+    for k, (system, codec) in enumerate(configurations(args)):
+        print(f"allreduce: {system}/{codec} on {args.peers} hosts at {args.rate} ...", file=sys.stderr, flush=True)
+        try:
+            peers = run_config(netbed, system, codec, args, timeout, str(k))
+        except (BenchError, netbed.TestbedError) as e:
+            notes.append(f"FAILED {e}")
+            print(f"allreduce: {e}", file=sys.stderr, flush=True)
+            rows.append({"system": system, "codec": codec, "peers": args.peers, "link_mbit": rate_bps / 1e6,
+                         "payload_bytes": 4 * args.params, "seconds": None,
+                         "bound_seconds": 2 * (args.peers - 1) / args.peers * wire_size(system, codec, args.params)
+                         / (rate_bps / 8), "error": str(e).splitlines()[0]})
+            continue
+        row = summarize(system, codec, peers, args, rate_bps)
+        raw[f"{system}/{codec}"] = peers
+        rows.append(row)
+        if not row["identical"]:
+            notes.append(f"{system}/{codec}: peers ended with different values")
+        if not row["within_tol"]:
+            notes.append(f"{system}/{codec}: relative error {row['rel_error']:.3g} above tolerance "
+                         f"{TOLERANCE.get(codec)}")
+    png = args.out / "allreduce.png"
+    plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each")
+    notes.append(f"plot: {png}")
+    return {"rows": rows, "columns": COLUMNS, "notes": notes, "plot": str(png),
+            "config": {"peers": args.peers, "rate": args.rate, "params": args.params, "repeats": args.repeats,
+                       "peer_timeout": timeout, "tolerance": TOLERANCE},
+            "load_average": os.getloadavg(), "peers_raw": raw}

@@ -1,0 +1,297 @@
+"""One peer of the ``allreduce`` benchmark, run inside one testbed host by ``allreduce.py``.
+
+Every peer of a run gets the same arguments except ``--index`` and ``--ip``.
+It builds its own pseudo-gradient (seeded normal fp32 of ``--params``
+elements, a different seed per peer), meets the others, averages it
+``--repeats`` times with one system (gonka-node's RoundProtocol, hivemind's
+DecentralizedAverager or torch.distributed gloo), and writes what it measured
+to ``WORKDIR/peer<index>.json``. The coordinator reads those files; this
+process never prints results.
+
+Peers synchronise through files in the shared WORKDIR (the namespaces share
+the file system): peer 0 publishes its multiaddrs there, and a file barrier
+before every repeat makes all peers enter the averaging call within a few
+milliseconds of each other. Times are ``time.time()`` (one clock for every
+namespace), so the coordinator can take "last peer in -> last peer out".
+
+The whole process is bounded by ``--timeout``: past it, faulthandler dumps
+every thread's stack to stderr and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import faulthandler
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+POLL = 0.005  # seconds between two looks at the barrier files
+
+
+# ---- helpers shared by the three systems ------------------------------------------
+
+
+def nic_tx_bytes(dev: str = "eth0") -> int:
+    """Bytes sent by this namespace's interface (/proc/net/dev is per network namespace)."""
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, _, fields = line.partition(":")
+        if name.strip() == dev:
+            return int(fields.split()[8])
+    return 0
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def wait_for_file(path: Path, deadline: float) -> None:
+    while not path.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"{path.name} did not appear")
+        time.sleep(POLL)
+
+
+def barrier(workdir: Path, name: str, index: int, peers: int, deadline: float) -> None:
+    """Return once every peer has reached barrier ``name``."""
+    (workdir / f"barrier-{name}-{index}").touch()
+    for i in range(peers):
+        wait_for_file(workdir / f"barrier-{name}-{i}", deadline)
+
+
+async def abarrier(workdir: Path, name: str, index: int, peers: int, deadline: float) -> None:
+    """``barrier`` that keeps the event loop (heartbeats, stream handlers) running."""
+    (workdir / f"barrier-{name}-{index}").touch()
+    for i in range(peers):
+        while not (workdir / f"barrier-{name}-{i}").exists():
+            if time.time() > deadline:
+                raise TimeoutError(f"barrier {name}: peer {i} never arrived")
+            await asyncio.sleep(POLL)
+
+
+def make_input(seed: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+
+
+def digest(x: torch.Tensor) -> str:
+    return hashlib.blake2b(x.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def check_result(result: torch.Tensor, args) -> dict:
+    """Error of the averaged vector against the exact mean of every peer's input."""
+    mean = torch.zeros(args.params, dtype=torch.float64)
+    for i in range(args.peers):
+        mean += make_input(args.seed + i, args.params).double()
+    mean /= args.peers
+    diff = result.double() - mean
+    return {"rel_error": float(diff.norm() / mean.norm()), "max_abs_error": float(diff.abs().max())}
+
+
+# ---- gonka-node -------------------------------------------------------------------
+
+
+async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
+    from node.metrics import NodeMetrics
+    from p2p.config import SwarmConfig
+    from p2p.rounds import RoundProtocol
+    from p2p.swarm import Swarm
+
+    workdir = Path(args.workdir)
+    addr_file = workdir / "peer0.maddrs"
+    bootstrap: list[str] = []
+    if args.index > 0:
+        wait_for_file(addr_file, deadline)
+        bootstrap = json.loads(addr_file.read_text())
+    options = dict(
+        bootstrap=bootstrap,
+        listen=[f"/ip4/{args.ip}/tcp/0"],
+        min_peers=args.peers,
+        heartbeat_interval=0.5,
+        gather_timeout=args.timeout,
+        round_timeout=args.timeout,
+        request_timeout=20.0,
+    )
+    if "codec" in SwarmConfig.__dataclass_fields__:
+        # One sync of the same vector each repeat: error feedback would change later inputs.
+        options.update(codec=args.codec, error_feedback=False)
+    elif args.codec != "fp32":
+        raise SystemExit(f"this SwarmConfig has no codec field; cannot run codec {args.codec}")
+    metrics = NodeMetrics()
+    swarm = await Swarm.start(SwarmConfig(**options), f"bench-{args.run_tag}", identity_path=None,
+                              on_reject=lambda reason: metrics.rejected_messages.labels(reason=reason).inc())
+    try:
+        if args.index == 0:
+            write_json(addr_file, swarm.maddrs)
+        rounds = RoundProtocol(swarm, metrics)
+        await rounds.start()
+        swarm.announce(state="training", round=0, hash="")
+        while len(await swarm.refresh_peers()) < args.peers - 1:  # everyone is in the peer table
+            if time.time() > deadline:
+                raise TimeoutError(f"peer table shows {len(swarm.peers)} of {args.peers - 1} other peers")
+            await asyncio.sleep(0.1)
+        await abarrier(workdir, "joined", args.index, args.peers, deadline)
+        repeats, result = [], None
+        for r in range(args.repeats):
+            await abarrier(workdir, f"round{r}", args.index, args.peers, deadline)
+            sent0 = metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0
+            nic0 = nic_tx_bytes()
+            t_enter = time.time()
+            out = await rounds.average([x], 1.0, r)
+            t_exit = time.time()
+            if out is None:
+                raise RuntimeError(f"round {r} did not commit: {rounds.last}")
+            result = out[0]
+            sent = (metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0) - sent0
+            repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": rounds.last.allreduce_seconds,
+                            "gather_s": rounds.last.gather_seconds, "members": len(rounds.last.members),
+                            "sent_bytes": int(sent), "nic_tx_bytes": nic_tx_bytes() - nic0,
+                            "digest": digest(result)})
+        # Leave only once everyone is done: a member that closes early could fail a slow vote.
+        await abarrier(workdir, "done", args.index, args.peers, deadline)
+        return {"repeats": repeats, **check_result(result, args)}
+    finally:
+        await swarm.close()
+
+
+# ---- hivemind ------------------------------------------------------------------------
+
+
+def run_hivemind(args, x: torch.Tensor, deadline: float) -> dict:
+    import hivemind
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.compression import Float16Compression, NoCompression
+
+    workdir = Path(args.workdir)
+    addr_file = workdir / "peer0.maddrs"
+    initial: list[str] = []
+    if args.index > 0:
+        wait_for_file(addr_file, deadline)
+        initial = json.loads(addr_file.read_text())
+    # DESIGN.md network rules: DHT forwards these to P2P.create (no UPnP, AutoNAT, relays, IPFS).
+    dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
+                       nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False,
+                       use_ipfs=False)
+    averager = None
+    try:
+        if args.index == 0:
+            write_json(addr_file, [str(a) for a in dht.get_visible_maddrs()])
+        compression = {"none": NoCompression(), "float16": Float16Compression()}[args.codec]
+        averager = hivemind.DecentralizedAverager(
+            [x.clone()], dht, start=True, prefix=f"bench{args.run_tag}", target_group_size=args.peers,
+            min_group_size=args.peers, min_matchmaking_time=2.0, request_timeout=1.0,
+            compression=compression, allreduce_timeout=args.timeout)
+        barrier(workdir, "joined", args.index, args.peers, deadline)
+        repeats, result = [], None
+        for r in range(args.repeats):
+            with averager.get_tensors() as tensors:
+                tensors[0].copy_(x)
+            barrier(workdir, f"round{r}", args.index, args.peers, deadline)
+            nic0 = nic_tx_bytes()
+            t_enter = time.time()
+            # Matchmaking first, all-reduce on our trigger: so the all-reduce is timed on its own.
+            control = averager.step(wait=False, require_trigger=True, timeout=max(1.0, deadline - time.time()))
+            while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
+                if time.time() > deadline:
+                    raise TimeoutError("hivemind matchmaking did not finish")
+                time.sleep(POLL)
+            t_grouped = time.time()
+            control.allow_allreduce()
+            info = control.result(timeout=max(1.0, deadline - time.time()))
+            t_exit = time.time()
+            if info is None:
+                raise RuntimeError(f"hivemind step {r} failed")
+            with averager.get_tensors() as tensors:
+                result = tensors[0].clone()
+            repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": t_exit - t_grouped,
+                            "members": len(info), "sent_bytes": None, "nic_tx_bytes": nic_tx_bytes() - nic0,
+                            "digest": digest(result)})
+        barrier(workdir, "done", args.index, args.peers, deadline)
+        return {"repeats": repeats, **check_result(result, args)}
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
+
+
+# ---- torch.distributed gloo ----------------------------------------------------------
+
+
+def run_gloo(args, x: torch.Tensor, deadline: float) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the testbed link, never loopback
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.index,
+                            world_size=args.peers, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        repeats, result = [], None
+        for r in range(args.repeats):
+            t = x.clone()
+            dist.barrier()
+            nic0 = nic_tx_bytes()
+            t_enter = time.time()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            t.div_(args.peers)
+            t_exit = time.time()
+            result = t
+            repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": t_exit - t_enter,
+                            "members": args.peers, "sent_bytes": None, "nic_tx_bytes": nic_tx_bytes() - nic0,
+                            "digest": digest(result)})
+        dist.barrier()
+        return {"repeats": repeats, **check_result(result, args)}
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- entry point -------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="one peer of the allreduce benchmark (started by allreduce.py)")
+    p.add_argument("--mode", choices=["gonka", "hivemind", "gloo"], required=True)
+    p.add_argument("--index", type=int, required=True, help="this peer's number, 0..peers-1")
+    p.add_argument("--peers", type=int, required=True)
+    p.add_argument("--ip", required=True, help="this host's testbed address")
+    p.add_argument("--master", help="gloo: host 0's address")
+    p.add_argument("--port", type=int, default=29500, help="gloo: rendezvous port on host 0")
+    p.add_argument("--workdir", required=True, help="directory shared by the peers of this run")
+    p.add_argument("--params", type=int, required=True, help="elements of the fp32 pseudo-gradient")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--codec", default="fp32")
+    p.add_argument("--seed", type=int, default=1000, help="peer i uses seed + i")
+    p.add_argument("--run-tag", default="0", help="makes DHT keys and prefixes unique to this run")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds this process may live")
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    faulthandler.dump_traceback_later(args.timeout, exit=True)  # the hard bound on this process
+    deadline = time.time() + args.timeout - 5
+    # Several peers share the machine's cores: one intra-op thread each, no oversubscription.
+    torch.set_num_threads(1)
+    x = make_input(args.seed + args.index, args.params)
+    out = Path(args.workdir) / f"peer{args.index}.json"
+    started = time.time()
+    if args.mode == "gonka":
+        result = asyncio.run(run_gonka(args, x, deadline))
+    elif args.mode == "hivemind":
+        result = run_hivemind(args, x, deadline)
+    else:
+        result = run_gloo(args, x, deadline)
+    write_json(out, {"index": args.index, "mode": args.mode, "codec": args.codec, "ok": True,
+                     "seconds_alive": time.time() - started, **result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
