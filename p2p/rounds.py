@@ -31,7 +31,7 @@ from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
 from p2p.group import Group, RoundFailed, digest
 from p2p.swarm import Swarm, peer_id_from
-from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, read_frame, write_frame
+from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, linger, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -293,8 +293,8 @@ class RoundProtocol:
         async def run(info, reader, writer):
             try:
                 header, _ = await read_frame(reader, self.request_timeout)
-                self.metrics.received_bytes.inc(len(header))
                 await handler(info.peer_id.to_base58(), header, reader, writer)
+                await linger(reader, self.request_timeout)
             except WireError as e:
                 self.swarm.reject(e.reason, str(e))
             except RoundFailed as e:

@@ -25,7 +25,7 @@ import torch
 
 from p2p import faults
 from p2p.swarm import PeerRecord, Swarm, peer_id_from
-from p2p.wire import MAX_PAYLOAD_BYTES, WireError, close_writer, field as hfield, read_frame, write_frame
+from p2p.wire import MAX_PAYLOAD_BYTES, WireError, close_writer, field as hfield, linger, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class StateServer:
                 sent = await write_frame(writer, {"ok": True}, memoryview(snap.blob)[offset : offset + length])
                 self.metrics.sent_bytes.inc(sent)
                 self.metrics.state_served.inc()
+                await linger(reader, self.swarm.config.request_timeout)
             else:
                 raise WireError("bad_op")
         except WireError as e:

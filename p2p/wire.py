@@ -80,6 +80,20 @@ def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
     return value
 
 
+async def linger(reader: asyncio.StreamReader, timeout: float) -> None:
+    """After answering: wait until the requester closes its side (or ``timeout``).
+
+    Closing our end right after the last write can make p2pd reset the stream
+    before the tail of a large reply is delivered; the requester closes once it
+    has read everything, so its EOF is the acknowledgement."""
+    try:
+        async with asyncio.timeout(timeout):
+            while await reader.read(64 * 1024):
+                pass  # nothing more is expected; anything extra is dropped
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+
+
 async def close_writer(writer: asyncio.StreamWriter) -> None:
     """Close a stream without letting a dead peer raise into the caller."""
     try:

@@ -12,14 +12,16 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import codecs, convergence
+from . import allreduce, codecs, convergence
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "allreduce": allreduce.run,
     "codecs": codecs.run,
     "convergence": convergence.run,
 }
 
 ARGUMENTS: dict[str, Callable[[Any], None]] = {
+    "allreduce": allreduce.add_arguments,
     "codecs": codecs.add_arguments,
     "convergence": convergence.add_arguments,
 }

@@ -30,7 +30,9 @@ implementation reaches a ratio of about 1.05.
 is what left each host's interface (all systems: headers, encryption and
 heartbeats included). ``identical``: every peer ended with bit-identical
 values; ``within_tol``: the result's relative error to the exact mean is
-under the codec's tolerance (``TOLERANCE``).
+under the codec's tolerance (``TOLERANCE``). ``aborted``: gonka-node round
+attempts that aborted and were retried (their time counts in ``seconds``).
+Every peer's log is kept in DIR/allreduce-logs/SYSTEM-CODEC/.
 """
 
 from __future__ import annotations
@@ -50,12 +52,15 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
 COLUMNS = ["system", "codec", "peers", "link_mbit", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
-           "seconds", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol"]
+           "seconds", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol", "aborted"]
 # Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
 # Float codecs round twice (contribution, then average); block codecs lose up to half a level.
 TOLERANCE = {"fp32": 1e-6, "none": 1e-6, "fp16": 2e-3, "float16": 2e-3, "bf16": 1.5e-2,
              "int8": 0.05, "int4": 0.6, "fp4": 0.6}
 HIVEMIND_CODECS = ["none", "float16"]
+# --quick: one lossless, one 8-bit and one 4-bit codec of each system, to stay a ~2 minute smoke run.
+QUICK_GONKA_CODECS = ["fp32", "int8", "fp4"]
+QUICK_HIVEMIND_CODECS = ["none"]
 STARTUP_SLACK = 90.0  # seconds for processes, p2pd and DHT to start and meet, per run
 EXIT_SLACK = 20.0  # the coordinator waits this long past a peer's own timeout
 
@@ -89,7 +94,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--repeats", type=positive_int, help="syncs per configuration, median reported (default 3; 1 with --quick)")
     group.add_argument("--systems", default="gonka-node,hivemind,gloo",
                        help="comma-separated subset of gonka-node, hivemind, gloo (default: all)")
-    group.add_argument("--codecs", help="comma-separated gonka-node codecs (default: every codec of p2p.codecs)")
+    group.add_argument("--codecs", help="comma-separated gonka-node codecs (default: every codec of p2p.codecs; "
+                       "fp32,int8,fp4 with --quick)")
     group.add_argument("--peer-timeout", type=float,
                        help="seconds each peer process may live (default: from the size, rate and repeats)")
 
@@ -97,13 +103,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 # ---- what to run ---------------------------------------------------------------------
 
 
-def gonka_codecs(requested: str | None) -> list[str]:
+def gonka_codecs(requested: str | None, quick: bool) -> list[str]:
     from p2p.codecs import CODECS
     from p2p.config import SwarmConfig
 
     if "codec" not in SwarmConfig.__dataclass_fields__:
         return ["fp32"]
-    names = [n for n in requested.split(",") if n] if requested else list(CODECS)
+    default = [n for n in QUICK_GONKA_CODECS if n in CODECS] if quick else list(CODECS)
+    names = [n for n in requested.split(",") if n] if requested else default
     unknown = [n for n in names if n not in CODECS]
     if unknown:
         raise ValueError(f"--codecs: unknown codec {', '.join(unknown)} (choose from {', '.join(CODECS)})")
@@ -126,9 +133,9 @@ def configurations(args) -> list[tuple[str, str]]:
         raise ValueError(f"--systems: unknown system {', '.join(sorted(unknown))} (gonka-node, hivemind, gloo)")
     configs = []
     if "gonka-node" in systems:
-        configs += [("gonka-node", c) for c in gonka_codecs(args.codecs)]
+        configs += [("gonka-node", c) for c in gonka_codecs(args.codecs, args.quick)]
     if "hivemind" in systems:
-        configs += [("hivemind", c) for c in HIVEMIND_CODECS]
+        configs += [("hivemind", c) for c in (QUICK_HIVEMIND_CODECS if args.quick else HIVEMIND_CODECS)]
     if "gloo" in systems:
         configs.append(("gloo", "fp32"))
     return configs
@@ -188,18 +195,25 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
                                      f"log tail:\n{log_tail(logs[i])}") from None
             return results
     finally:
+        # Keep every peer's log next to the result: a failed or slow run is read from them.
+        keep = args.out / "allreduce-logs" / f"{system}-{codec}"
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.mkdir(parents=True, exist_ok=True)
+        for log in workdir.glob("peer*.log"):
+            shutil.copy(log, keep / log.name)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -> dict:
     """One table row from every peer's measurements."""
     repeats = len(peers[0]["repeats"])
-    e2e, exchange, identical = [], [], True
+    e2e, exchange, identical, aborted = [], [], True, 0
     for r in range(repeats):
         per_peer = [p["repeats"][r] for p in peers]
         e2e.append(max(x["t_exit"] for x in per_peer) - max(x["t_enter"] for x in per_peer))
         exchange.append(max(x["allreduce_s"] for x in per_peer))
         identical &= len({x["digest"] for x in per_peer}) == 1
+        aborted += max(len(x.get("aborted", [])) for x in per_peer)
     sent = [x["sent_bytes"] for p in peers for x in p["repeats"]]
     nic = [x["nic_tx_bytes"] for p in peers for x in p["repeats"]]
     size = wire_size(system, codec, args.params)
@@ -221,6 +235,7 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         "identical": identical,
         "rel_error": rel_error,
         "within_tol": rel_error <= TOLERANCE.get(codec, 1.0),
+        "aborted": aborted,
         "seconds_all": e2e,
         "allreduce_s_all": exchange,
         "codec_wire_bytes": size,

@@ -25,6 +25,7 @@ import asyncio
 import faulthandler
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 POLL = 0.005  # seconds between two looks at the barrier files
+MAX_RETRIES = 2  # aborted gonka-node attempts retried per repeat before the peer gives up
 
 
 # ---- helpers shared by the three systems ------------------------------------------
@@ -144,16 +146,22 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
             sent0 = metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0
             nic0 = nic_tx_bytes()
             t_enter = time.time()
-            out = await rounds.average([x], 1.0, r)
+            aborted = []
+            # An aborted attempt is retried, as the node does; its time stays in this repeat's.
+            while (out := await rounds.average([x], 1.0, r)) is None:
+                last = rounds.last
+                aborted.append({"status": last.status, "reason": last.reason, "allreduce_s": last.allreduce_seconds})
+                print(f"round {r}: attempt {len(aborted)} {last.status} ({last.reason}) after "
+                      f"{last.allreduce_seconds:.1f}s", file=sys.stderr, flush=True)
+                if last.status != "aborted" or len(aborted) > MAX_RETRIES:
+                    raise RuntimeError(f"round {r} did not commit: {last}")
             t_exit = time.time()
-            if out is None:
-                raise RuntimeError(f"round {r} did not commit: {rounds.last}")
             result = out[0]
             sent = (metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0) - sent0
             repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": rounds.last.allreduce_seconds,
                             "gather_s": rounds.last.gather_seconds, "members": len(rounds.last.members),
                             "sent_bytes": int(sent), "nic_tx_bytes": nic_tx_bytes() - nic0,
-                            "digest": digest(result)})
+                            "digest": digest(result), "aborted": aborted})
         # Leave only once everyone is done: a member that closes early could fail a slow vote.
         await abarrier(workdir, "done", args.index, args.peers, deadline)
         return {"repeats": repeats, **check_result(result, args)}
@@ -275,6 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     faulthandler.dump_traceback_later(args.timeout, exit=True)  # the hard bound on this process
     deadline = time.time() + args.timeout - 5
     # Several peers share the machine's cores: one intra-op thread each, no oversubscription.

@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration.nodes import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
 # The bound README.md documents for the FAST settings of nodes.py: a survivor commits
 # within round_timeout (detect) + max(3 heartbeats, request_timeout) (regroup)
@@ -75,7 +75,7 @@ def test_sigkill_member_of_a_4_peer_round(nodes, phase):
 def test_sigstopped_member_is_left_out_then_resyncs(nodes):
     swarm = start_swarm(nodes, 4)
     sleeper, others = swarm[3], swarm[:3]
-    wait_until(lambda: "members=4" in sleeper.log(), 150, "a 4-member round")
+    wait_until(lambda: "members=4" in sleeper.log(), 200, "a 4-member round")
     sleeper.proc.send_signal(signal.SIGSTOP)
     stopped_at = max(max(n.rounds()) for n in others)
     try:
