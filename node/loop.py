@@ -210,6 +210,7 @@ class TrainingLoop:
             self.metrics.tokens.inc(stats.tokens)
             self.metrics.loss.set(stats.mean_loss)
             self.metrics.inner_step_seconds.observe(stats.seconds / stats.steps)
+            self.metrics.train_seconds.inc(stats.seconds)
             self.status.loss = stats.mean_loss
         self.status.inner_step = self.worker.inner_step
         self.swarm.announce(step=self.worker.inner_step, loss=self.status.loss)

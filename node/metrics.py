@@ -49,8 +49,13 @@ class NodeMetrics:
         self.eval_loss = Gauge("gonka_node_eval_loss", "Loss on the held-out evaluation batches, last measured.", registry=r)
         self.inner_step_seconds = Histogram(
             "gonka_node_inner_step_seconds",
-            "Wall time of one inner step (forward, backward, optimizer).",
+            "Mean wall time of an inner step (forward, backward, optimizer), observed once per round.",
             buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.train_seconds = Counter(
+            "gonka_node_train_seconds_total",
+            "Wall time spent in inner steps (divide by wall time for compute utilization).",
             registry=r,
         )
 
@@ -71,9 +76,9 @@ class NodeMetrics:
             buckets=NETWORK_BUCKETS,
             registry=r,
         )
-        self.sent_bytes = Counter("gonka_node_sent_bytes_total", "Bytes of round traffic sent to other peers.", registry=r)
+        self.sent_bytes = Counter("gonka_node_sent_bytes_total", "Bytes sent to other peers: rounds and state served to joiners.", registry=r)
         self.received_bytes = Counter(
-            "gonka_node_received_bytes_total", "Bytes of round traffic received from other peers.", registry=r
+            "gonka_node_received_bytes_total", "Bytes received from other peers: rounds and state downloads.", registry=r
         )
         self.averaging_failures = Counter(
             "gonka_node_averaging_failures_total", "All-reduce attempts that failed, by reason.", ["reason"], registry=r

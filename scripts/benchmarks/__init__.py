@@ -12,16 +12,22 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import allreduce, codecs, convergence
+from . import allreduce, codecs, convergence, join, scale, utilization
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "allreduce": allreduce.run,
     "codecs": codecs.run,
     "convergence": convergence.run,
+    "join": join.run,
+    "scale": scale.run,
+    "utilization": utilization.run,
 }
 
 ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "allreduce": allreduce.add_arguments,
     "codecs": codecs.add_arguments,
     "convergence": convergence.add_arguments,
+    "join": join.add_arguments,
+    "scale": scale.add_arguments,
+    "utilization": utilization.add_arguments,
 }
