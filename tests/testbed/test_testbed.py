@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import netbed  # noqa: E402
+from tests.integration.nodes import wait_until as wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -41,16 +42,6 @@ def leftovers(p: str) -> list[str]:
 def assert_near(measured: float, nominal: float, what: str) -> None:
     assert abs(measured - nominal) <= TOLERANCE * nominal, (
         f"{what}: {measured / 1e6:.2f} Mbit/s, nominal {nominal / 1e6:g} Mbit/s")
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.mark.timeout(60)
