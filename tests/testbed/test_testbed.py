@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import netbed  # noqa: E402
+import netprobe  # noqa: E402
 from tests.integration.nodes import wait_until as wait_for  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -52,8 +53,8 @@ def test_two_hosts_are_shaped_both_ways_and_torn_down():
         routes = subprocess.run(["ip", "-n", tb.namespace(0), "route", "show"], capture_output=True, text=True,
                                 check=True).stdout.strip().splitlines()
         assert routes == [r for r in routes if r.startswith("10.77.0.0/24 ")] and len(routes) == 1, routes
-        assert_near(netbed.measure_tcp(tb, 0, 1, seconds=2), 20e6, "h0 -> h1")
-        assert_near(netbed.measure_tcp(tb, 1, 0, seconds=2), 20e6, "h1 -> h0")
+        assert_near(netprobe.measure_tcp(tb, 0, 1, seconds=2), 20e6, "h0 -> h1")
+        assert_near(netprobe.measure_tcp(tb, 1, 0, seconds=2), 20e6, "h1 -> h0")
     assert leftovers(p) == []
     assert netbed.read_marker(p) is None
 
@@ -61,9 +62,9 @@ def test_two_hosts_are_shaped_both_ways_and_torn_down():
 @pytest.mark.timeout(60)
 def test_heterogeneous_rates_cap_each_hosts_upload_and_download():
     with netbed.Testbed(3, rates=["10mbit", "40mbit", "40mbit"], prefix=prefix("het")) as tb:
-        assert_near(netbed.measure_tcp(tb, 0, 1, seconds=2), 10e6, "h0 upload (10mbit) -> h1")
-        assert_near(netbed.measure_tcp(tb, 1, 2, seconds=2), 40e6, "h1 upload (40mbit) -> h2")
-        assert_near(netbed.measure_tcp(tb, 2, 0, seconds=2), 10e6, "h2 -> h0 download (10mbit)")
+        assert_near(netprobe.measure_tcp(tb, 0, 1, seconds=2), 10e6, "h0 upload (10mbit) -> h1")
+        assert_near(netprobe.measure_tcp(tb, 1, 2, seconds=2), 40e6, "h1 upload (40mbit) -> h2")
+        assert_near(netprobe.measure_tcp(tb, 2, 0, seconds=2), 10e6, "h2 -> h0 download (10mbit)")
 
 
 @pytest.mark.timeout(30)
