@@ -151,6 +151,9 @@ class Swarm:
                     wait_timeout=min(3.0, config.request_timeout / 2),
                     bootstrap_timeout=config.request_timeout,
                     cache_locally=False,
+                    # hivemind bans a peer that missed a reply, doubling the ban each time; a node
+                    # that was paused (SIGSTOP) then sees every peer banned and cannot read the table.
+                    blacklist_time=0,
                 )
         except BaseException:
             await p2p.shutdown()
