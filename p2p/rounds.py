@@ -36,6 +36,7 @@ from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, ling
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25
+WAIT_REPORT_SECONDS = 15.0  # how often a long gather says what it is waiting for
 
 
 @dataclass(slots=True)
@@ -151,6 +152,7 @@ class RoundProtocol:
     async def _gather(self, round: int, started: float) -> Group:
         leader_wait_limit = self.gather_timeout + 2 * self.request_timeout
         waited_for_leader: dict[str, float] = {}
+        reported = started
         while True:
             peers = self._live(await self.swarm.refresh_peers())
             if any(r.round > round and r.state != "joining" for r in peers.values()):
@@ -172,6 +174,11 @@ class RoundProtocol:
                 if time.monotonic() - first_seen > leader_wait_limit:
                     log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
                     self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout)
+            if time.monotonic() - reported > WAIT_REPORT_SECONDS:
+                reported = time.monotonic()
+                log.info("round %d: still gathering after %.0fs: %d ready, %d training, %d needed, table %s",
+                         round + 1, reported - started, len(ready), len(training), self.min_peers,
+                         "fresh" if self.swarm.table_fresh else "stale")
             try:
                 async with asyncio.timeout(POLL_SECONDS):
                     return await asyncio.shield(self._waiting.group)

@@ -122,6 +122,9 @@ class Swarm:
         self._heartbeat_task: asyncio.Task | None = None
         self._publish_now = asyncio.Event()
         self._logged_rejects: set[str] = set()
+        # Peers met so far (bootstrap and table entries), for re-entering the DHT after a pause.
+        self._known: dict[str, None] = {}
+        self._reconnected_at = 0.0
 
     @classmethod
     async def start(
@@ -159,6 +162,9 @@ class Swarm:
             await p2p.shutdown()
             raise
         self = cls(config, run_id, p2p, dht, on_reject)
+        for addr in config.bootstrap:
+            if "/p2p/" in addr:
+                self._remember(addr.rsplit("/p2p/", 1)[-1])
         self.maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
         await self._publish()  # be in the peer table before asking anyone for anything
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -187,12 +193,44 @@ class Swarm:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            if not len(self.dht.protocol.routing_table.uid_to_peer_id):
+                await self.reconnect()
             await self._publish()
             self._publish_now.clear()
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.heartbeat_interval):
                     await self._publish_now.wait()
+
+    def _remember(self, peer_id: str) -> None:
+        self._known.pop(peer_id, None)
+        self._known[peer_id] = None
+        while len(self._known) > 64:
+            del self._known[next(iter(self._known))]
+
+    async def reconnect(self) -> int:
+        """Ping the peers we know into the DHT routing table again; returns how many answered.
+
+        hivemind drops a peer from the routing table the first time it misses a reply. A
+        node that was paused (SIGSTOP, a long GC or swap stall) sees all its requests time
+        out at once when it resumes, and the others dropped it while it was silent: both
+        sides then forget each other for good unless someone pings again."""
+        if time.monotonic() - self._reconnected_at < self.config.heartbeat_interval:
+            return 0
+        self._reconnected_at = time.monotonic()
+        candidates = [p for p in self._known if p != self.peer_id]
+        if not candidates:
+            return 0
+
+        async def ping(peer: str):
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.config.request_timeout):
+                    return await self.dht.protocol.call_ping(peer_id_from(peer), strict=False)
+
+        answered = sum(r is not None for r in await asyncio.gather(*(ping(p) for p in candidates)))
+        if answered:
+            log.info("re-entered the DHT: %d of %d known peers answered", answered, len(candidates))
+        return answered
 
     async def leave(self) -> None:
         """Stop announcing and tell the swarm we are gone (a short-lived 'stopped' entry)."""
@@ -236,6 +274,7 @@ class Swarm:
         except Exception as e:
             log.debug("peer table lookup failed: %r", e)
             self.table_fresh = False
+            await self.reconnect()
             return self._peers
         peers: dict[str, PeerRecord] = {}
         entries = found.value if found is not None else {}
@@ -252,6 +291,9 @@ class Swarm:
                 continue
             if record.state != "stopped":
                 peers[record.peer_id] = record
+                self._remember(record.peer_id)
+        if not peers and self._known and await self.reconnect():
+            return await self.refresh_peers()
         self._peers, self._peers_at = peers, time.monotonic()
         self.table_fresh = True
         return peers

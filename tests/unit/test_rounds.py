@@ -124,3 +124,33 @@ async def test_stranger_and_garbage_are_refused_and_counted():
         assert all(torch.equal(r[0], torch.full((5,), 0.5)) for r in res), (res, ra.last, rb.last)
     finally:
         await stop_peers(peers)
+
+
+
+async def test_peers_that_forgot_each_other_find_the_swarm_again():
+    # What a SIGSTOP does: the paused peer's DHT requests all time out when it resumes, and
+    # the others dropped it while it was silent; hivemind removes a peer from the routing
+    # table at its first missed reply, so both sides forget each other and nobody calls.
+    peers = await start_peers(3)
+    try:
+        (a, _, _), (b, _, _), (c, _, _) = peers
+        async with asyncio.timeout(30):
+            while len(await a.refresh_peers()) < 2:
+                await asyncio.sleep(0.1)
+        a._heartbeat_task.cancel()  # a stays silent, as a paused node is
+        await asyncio.gather(a._heartbeat_task, return_exceptions=True)
+        for me, others in ((a, (b, c)), (b, (a,)), (c, (a,))):
+            table = me.dht.protocol.routing_table
+            for o in others:
+                if table.get(peer_id=o.p2p.peer_id) is not None:
+                    del table[table.get(peer_id=o.p2p.peer_id)]
+        b.announce(step=101)
+        c.announce(step=102)
+        # a's lookups find only what it still holds; once that expires it must call the
+        # peers it knew, and then read their fresh heartbeats.
+        async with asyncio.timeout(30):
+            while {p: r.inner_step for p, r in (await a.refresh_peers()).items()} != {b.peer_id: 101, c.peer_id: 102}:
+                await asyncio.sleep(0.1)
+        assert a.peer_id in {str(p) for p in b.dht.protocol.routing_table.peer_id_to_uid}
+    finally:
+        await stop_peers(peers)
