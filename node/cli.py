@@ -57,6 +57,7 @@ START_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--status-file", "node.status_file", dict(metavar="PATH", help="file rewritten with the node's status as JSON (default: none)")),
     ("--device", "node.device", dict(metavar="cpu|cuda|auto", help="where the model trains; auto = cuda when available (default: auto)")),
     ("--seed", "node.seed", dict(metavar="N", type=int, help="seed of model initialisation and data order (default: 0)")),
+    ("--overlap", "outer.overlap", dict(metavar="MODE", help="off, delayed or eager: run a round's all-reduce during the next round's inner steps (default: off)")),
     ("--min-peers", "swarm.min_peers", dict(metavar="N", type=int, help="a round commits only with at least N members, this peer included (default: 1)")),
     ("--nat-traversal", "swarm.nat_traversal", dict(action="store_true", help="enable UPnP port mapping, AutoNAT and circuit relays in libp2p (default: off; the node talks only to the addresses it is given)")),
     ("--log-level", "node.log_level", dict(metavar="LEVEL", help="debug, info, warning or error (default: info)")),

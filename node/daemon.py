@@ -194,8 +194,9 @@ class Node:
 
     # ---- after each commit and on stop ----------------------------------------------
 
-    async def after_commit(self) -> None:
-        await self.checkpoint()
+    async def after_commit(self, checkpoint: bool = True) -> None:
+        if checkpoint:
+            await self.checkpoint()
         self.write_status()
 
     async def checkpoint(self) -> None:

@@ -34,11 +34,14 @@ class TrainingLoop:
         self.status = status
         self.inner_steps = inner_steps
         self.max_rounds = max_rounds
-        self.on_commit = on_commit  # async callback: checkpoint + status file
+        self.on_commit = on_commit  # async callback(checkpoint: bool): checkpoint + status file
         self.stop_requested = asyncio.Event()
         self.stop_flag = threading.Event()  # seen by the inner-step thread
         # Inner steps already taken in the current round (non-zero after resuming mid-round).
         self.round_step = 0
+        # Overlapped rounds: the previous round's averaging, running during these inner steps.
+        self.pending: asyncio.Future | None = None
+        self._evaluated = -1
 
     def request_stop(self) -> None:
         self.stop_flag.set()
@@ -50,19 +53,61 @@ class TrainingLoop:
     async def run(self) -> None:
         await self.publish_state()
         await self.join()
-        while not self.done():
+        try:
+            while not self.done():
+                await self.one_round()
+        finally:
+            if self.pending is not None:  # stopping: the round in flight aborts everywhere
+                self.pending.cancel()
+                await asyncio.gather(self.pending, return_exceptions=True)
+                self.pending = None
+
+    async def one_round(self) -> None:
+        """Inner steps, then this round's average: awaited (overlap off) or launched in the
+        background while the next round's inner steps run (delayed, eager)."""
+        if self.pending is None:
             self.set_state("training")
-            stats = await asyncio.to_thread(self.worker.inner_steps, self.inner_steps - self.round_step, self.stop_flag.is_set)
-            self.round_step += stats.steps
-            self.record_inner(stats)
-            if self.stop_requested.is_set():
-                break
-            await self.check_consistency()
-            if self.round_step == 0:  # a re-sync discarded this round's work
-                continue
-            delta = await asyncio.to_thread(self.worker.pseudo_gradient)
-            # Weight = tokens this peer trained on in the round (DiLoCo's token-weighted average).
-            await self.average_until_settled(delta, float(self.round_step * self.tokens_per_step))
+        stats = await asyncio.to_thread(self.worker.inner_steps, self.inner_steps - self.round_step, self.stop_flag.is_set)
+        self.round_step += stats.steps
+        self.record_inner(stats)
+        if self.stop_requested.is_set():
+            return
+        if self.pending is not None:
+            waited = time.monotonic()
+            outcome = await self.unless_stopped(self.pending)
+            self.pending = None
+            self.metrics.overlap_wait_seconds.inc(time.monotonic() - waited)
+            if outcome is None:
+                return
+            if outcome == "behind":
+                await self.resync("behind")
+                return
+            await self.evaluate_if_due()
+            await self.on_commit(checkpoint=True)
+        await self.check_consistency()
+        if self.round_step == 0:  # a re-sync discarded this round's work
+            return
+        delta = await asyncio.to_thread(self.worker.pseudo_gradient)
+        # Weight = tokens this peer trained on in the round (DiLoCo's token-weighted average).
+        weight = float(self.round_step * self.tokens_per_step)
+        if not self.overlapped:
+            if await self.average_until_settled(delta, weight) == "behind":
+                await self.resync("behind")
+            return
+        await asyncio.to_thread(self.worker.start_overlapped, delta, 1.0 / self.expected_members())
+        self.round_step = 0
+        self.pending = asyncio.ensure_future(self.average_until_settled(delta, weight))
+
+    @property
+    def overlapped(self) -> bool:
+        return self.worker.outer_cfg.overlap != "off"
+
+    def expected_members(self) -> int:
+        """M for the eager preview: the last round's group, else the live peers and us."""
+        last = self.rounds.last
+        if last.status == "committed" and last.members:
+            return len(last.members)
+        return len(self.swarm.peers) + 1
 
     @property
     def tokens_per_step(self) -> int:
@@ -70,44 +115,56 @@ class TrainingLoop:
 
     # ---- one round -----------------------------------------------------------------------
 
-    async def average_until_settled(self, delta, weight: float) -> None:
-        """Average until the round commits, the swarm moves past us, or we are told to stop."""
+    async def average_until_settled(self, delta, weight: float) -> str | None:
+        """Average until the round commits (``committed``), the swarm moves past us
+        (``behind``: the caller re-syncs), or we are told to stop (None)."""
         r = self.worker.round
         while not self.stop_requested.is_set():
             avg = await self.unless_stopped(self.rounds.average(delta, weight, r))
             outcome = self.rounds.last
             if avg is not None:
                 await self.commit(avg)
-                return
+                return "committed"
             if self.stop_requested.is_set():
-                return
+                return None
             if outcome.status == "behind":
-                await self.resync("behind")
-                return
+                return "behind"
             self.metrics.rounds_aborted.labels(reason=outcome.reason or "unknown").inc()
             self.metrics.round_retries.inc()
             log.info("aborted round=%d group=%s reason=%s; retrying with the survivors", r + 1, outcome.group_id,
                      outcome.reason)
             await asyncio.sleep(RETRY_SECONDS)
+        return None
 
     async def commit(self, avg) -> None:
+        """Apply the committed average. Overlapped, the inner steps of the next round are
+        running meanwhile: the local copy is left alone, and evaluation and the checkpoint
+        wait for the round boundary."""
         members = len(self.rounds.last.members)
-        eval_loss = await asyncio.to_thread(self._apply_and_eval, avg)
-        self.round_step = 0
+        overlapped = self.overlapped
+        await asyncio.to_thread(self.worker.apply_outer, avg, reset_local=not overlapped)
+        if not overlapped:
+            self.round_step = 0
+            await self.evaluate_if_due()
         self.metrics.rounds.inc()
         self.metrics.round.set(self.worker.round)
-        self.metrics.eval_loss.set(eval_loss)
-        self.status.eval_loss = eval_loss
         self.status.last_round_members = members
         await self.publish_state()
+        if overlapped:
+            self.swarm.announce(state="training")  # training for the next round already
         log.info("committed round=%d hash=%s members=%d group=%s loss=%.4f eval_loss=%.4f allreduce=%.3fs",
                  self.worker.round, self.status.params_hash, members, self.rounds.last.group_id,
-                 self.status.loss or float("nan"), eval_loss, self.rounds.last.allreduce_seconds)
-        await self.on_commit()
+                 self.status.loss or float("nan"), self.status.eval_loss or float("nan"),
+                 self.rounds.last.allreduce_seconds)
+        await self.on_commit(checkpoint=not overlapped)
 
-    def _apply_and_eval(self, avg) -> float:
-        self.worker.apply_outer(avg)
-        return self.worker.eval_loss()
+    async def evaluate_if_due(self) -> None:
+        every = self.worker.data_cfg.eval_every
+        if every and self.worker.round % every == 0 and self.worker.round != self._evaluated:
+            self._evaluated = self.worker.round
+            eval_loss = await asyncio.to_thread(self.worker.eval_loss)
+            self.metrics.eval_loss.set(eval_loss)
+            self.status.eval_loss = eval_loss
 
     async def unless_stopped(self, coro):
         """Run coro, but abandon it (cancel) as soon as a stop is requested."""
@@ -157,6 +214,8 @@ class TrainingLoop:
             if target is None:
                 log.warning("re-sync (%s): no donor available", reason)
                 return
+            if self.overlapped and await self.round_in_flight(target[0]):
+                continue
             round, params_hash, donors = target
             self.set_state("joining")
             try:
@@ -178,6 +237,23 @@ class TrainingLoop:
                 await self.on_commit()
                 return
             await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
+
+    async def round_in_flight(self, round: int) -> bool:
+        """Overlapped rounds: if the swarm is averaging round ``round`` right now, wait for
+        it to commit (True: look again). Downloading now would put this peer's next
+        contribution into a round the others already formed, and it would be left out
+        again and again; after the commit it lands in the next one, like everyone's."""
+        busy = [p for p, r in self.swarm.peers.items() if r.round == round and r.state in ("ready", "averaging")]
+        if not busy:
+            return False
+        cfg = self.swarm.config
+        deadline = time.monotonic() + cfg.gather_timeout + cfg.round_timeout
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            await asyncio.sleep(RETRY_SECONDS)
+            peers = await self.swarm.refresh_peers()
+            if any(r.round > round for r in peers.values()):
+                return True
+        return False
 
     def _load_verified(self, snap: Snapshot) -> bool:
         backup = self.worker.global_state()

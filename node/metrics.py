@@ -60,6 +60,11 @@ class NodeMetrics:
         )
 
         # The swarm and the rounds' network phases.
+        self.overlap_wait_seconds = Counter(
+            "gonka_node_overlap_wait_seconds_total",
+            "Overlapped rounds: seconds the inner steps waited for the previous round's average.",
+            registry=r,
+        )
         self.peers = Gauge("gonka_node_peers", "Live swarm peers known to this node, itself included.", registry=r)
         self.round_members = Gauge(
             "gonka_node_round_members", "Peers that took part in the last round's all-reduce, this node included.", registry=r

@@ -87,6 +87,10 @@ class Codec(abc.ABC):
     """Turns a flat fp32 vector into bytes and back; subclasses define the format."""
 
     name: str
+    # Pieces of a vector cut at multiples of ``align`` values and encoded one
+    # by one decode to exactly the values of the whole vector encoded at once
+    # (block codecs: the block size), so a part may be streamed in pieces.
+    align: int = 1
 
     @abc.abstractmethod
     def wire_bytes(self, numel: int) -> int:
@@ -101,7 +105,7 @@ class Codec(abc.ABC):
         """Decode ``numel`` values; raises CodecError for a mis-sized or invalid payload."""
 
 
-def _all_finite(values: torch.Tensor) -> bool:
+def all_finite(values: torch.Tensor) -> bool:
     """True if no value is NaN or Inf."""
     # A sum is non-finite whenever a term is, and is far cheaper than an
     # elementwise check; only a sum that overflows needs the exact check.
@@ -121,8 +125,8 @@ class FloatCodec(Codec):
     def encode(self, x: torch.Tensor) -> bytes:
         _check_input(x)
         y = x.to(self.dtype)
-        if not _all_finite(y):
-            if not _all_finite(x):
+        if not all_finite(y):
+            if not all_finite(x):
                 raise CodecError("non_finite_input")
             # Finite input that overflowed the narrower type: saturate rather
             # than send an Inf that every receiver would have to reject.
@@ -135,7 +139,7 @@ class FloatCodec(Codec):
         out = raw.view(self.dtype).to(torch.float32)
         if out.data_ptr() == raw.data_ptr() and not private:
             out = out.clone()  # never alias a buffer the caller may reuse
-        if not _all_finite(out):
+        if not all_finite(out):
             raise CodecError("non_finite_value")
         return out
 
@@ -157,7 +161,7 @@ class BlockCodec(Codec):
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
         if block_size < 2 or block_size % 2:
             raise ValueError(f"block_size must be an even number >= 2, got {block_size}")
-        self.block_size = block_size
+        self.block_size = self.align = block_size
         self.name = self.base_name if block_size == DEFAULT_BLOCK_SIZE else f"{self.base_name}-b{block_size}"
         self.chunk_blocks = max(1, chunk_elems // block_size)  # speed only: the bytes do not depend on it
 
@@ -270,7 +274,7 @@ class Nibble4Codec(BlockCodec):
             torch.mul(halves, scale.view(-1, 1, 1), out=out.view(count, 2, half))
         else:
             out.copy_((halves * scale.view(-1, 1, 1)).reshape(count, 2 * half)[:, : out.shape[1]])
-        if not _all_finite(out):  # only code 0 decodes to NaN
+        if not all_finite(out):  # only code 0 decodes to NaN
             raise CodecError("bad_code", "4-bit code 0")
 
 

@@ -7,9 +7,13 @@
    encodes the average once: ``average_part``. Every member decodes those same
    bytes, so all end bit-identical.
 
-The swarm (``p2p/group.py``) and the in-process simulator
-(``CompressingMember``) both use these functions, so compressed convergence
-measured in-process is the swarm's.
+The swarm (``p2p/group.py``) streams each part as *pieces* (``piece_bounds``),
+runs of whole codec blocks encoded one at a time so that averaged pieces can
+travel back while later ones are still arriving. A codec's blocks never
+straddle a piece boundary, so a part encoded piece by piece decodes to exactly
+the values of the part encoded at once: the simulator (``CompressingMember``)
+encodes whole parts and still sees the swarm's numbers, so compressed
+convergence measured in-process is the swarm's.
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def piece_bounds(start: int, end: int, codec: Codec, piece_elems: int) -> list[tuple[int, int]]:
+    """Split the part [start, end) into pieces of ``piece_elems`` values, rounded down to whole codec
+    blocks (at least one block); the last piece takes the rest. An empty part has no pieces."""
+    step = max(codec.align, piece_elems // codec.align * codec.align)
+    return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+
 def encode_parts(codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]]) -> tuple[list[bytes], torch.Tensor]:
     """One payload per part, and the values the receivers will decode from them."""
     payloads, sent = [], torch.empty_like(flat)
@@ -43,7 +54,9 @@ def encode_parts(codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]]
 
 
 def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]]) -> bytes:
-    """Token-weighted mean of one part's contributions, in the order given, encoded once."""
+    """Token-weighted mean of one part's (or piece's) contributions, in the order given, encoded once.
+
+    Elementwise, so the mean of a piece is that piece of the part's mean."""
     total = math.fsum(w for w, _ in contributions)
     acc = torch.zeros_like(contributions[0][1])
     for w, part in contributions:

@@ -2,12 +2,23 @@
 
 The all-reduce is a butterfly: the flat pseudo-gradient is cut into one
 contiguous part per member; member ``j`` receives part ``j`` from everyone
-(encoded with the swarm's codec), reduces it once (weighted sum in member
-order, so the result does not depend on arrival order), encodes the average
-once and sends the same bytes back to all. Every member decodes those bytes,
-so all end with a bit-identical average. Before anyone applies it, members exchange a
+(encoded with the swarm's codec), averages it (weighted sum in member order,
+so the result does not depend on arrival order), encodes the average once and
+sends the same bytes back to all. Every member decodes those bytes, so all end
+with a bit-identical average. Before anyone applies it, members exchange a
 digest of the whole averaged vector (``votes``): a round commits only if every
 member reports the same digest.
+
+Parts travel as pieces (``compression.piece_bounds``, whole codec blocks), so
+the two halves of the butterfly overlap: the owner averages piece ``k`` as
+soon as every member's piece ``k`` is in and streams it back while later
+pieces are still arriving. Piece boundaries are fixed by the group alone
+(vector size, members, codec), never by arrival, so the bytes are the same.
+
+The tensor work (``encode_piece``, ``decode_piece``, ``reduce_piece``,
+``place_piece``) is pure and touches disjoint slices, so the round protocol
+runs it in worker threads (torch releases the GIL) while the event loop keeps
+the streams moving; all bookkeeping stays on the event loop.
 """
 
 from __future__ import annotations
@@ -19,8 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p.codecs import Codec, CodecError
-from p2p.compression import average_part, encode_parts, part_bounds
+from p2p.codecs import Codec, CodecError, all_finite
+from p2p.compression import average_part, part_bounds, piece_bounds
+
+# Values per piece (rounded down to whole codec blocks): 4 MB of fp32, 1 MB of
+# int8. Small enough that the first averaged piece goes back after a few
+# percent of the exchange and the last one adds little after the input ends;
+# large enough that per-frame and per-op overheads stay negligible on two
+# shared cores.
+PIECE_ELEMS = 1 << 20
 
 
 class RoundFailed(Exception):
@@ -34,7 +52,7 @@ class RoundFailed(Exception):
 def digest(vector: torch.Tensor, group_id: bytes) -> bytes:
     """What members vote on: the averaged vector, bound to this group."""
     h = hashlib.blake2b(digest_size=16, key=group_id[:64])
-    h.update(vector.numpy().tobytes())
+    h.update(memoryview(vector.numpy()).cast("B"))
     return h.digest()
 
 
@@ -49,20 +67,27 @@ class Group:
     flat: torch.Tensor  # this peer's contribution (fp32, 1-D), error feedback already added
     weight: float
     codec: Codec
-    contributions: dict[int, tuple[float, torch.Tensor]] = field(default_factory=dict)
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
 
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
+        assert self.flat.dtype == torch.float32 and self.flat.dim() == 1 and self.flat.is_contiguous()
         self.index = self.members.index(self.me)
         self.bounds = part_bounds(self.flat.numel(), len(self.members))
+        # pieces[j][k]: the elements of piece k of part j, the same on every member.
+        self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
         self.result = torch.empty_like(self.flat)
+        # What the receivers decode of our contribution, filled as pieces are encoded (error feedback).
+        self.sent = torch.empty_like(self.flat)
+        self.weights: dict[int, float] = {}
+        own = len(self.pieces[self.index])
+        # Per piece of our part: sender index -> decoded values, until the piece is averaged.
+        self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(own)]
+        self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
+        self._reduced_count = 0
         self._changed = asyncio.Event()
-        self._reduced: bytes | None = None
-        # What we send for each part, and what its receiver will decode (for error feedback).
-        self.payloads, self.sent = encode_parts(self.codec, self.flat, self.bounds)
-        self.add_contribution(self.index, self.weight, self.sent[slice(*self.bounds[self.index])])
+        self.add_weight(self.index, self.weight)
 
     @property
     def leader(self) -> str:
@@ -74,20 +99,53 @@ class Group:
         except ValueError:
             return None
 
-    def part_numel(self, index: int) -> int:
-        start, end = self.bounds[index]
-        return end - start
-
     def wire_bytes(self, index: int) -> int:
-        """Size of an encoded part ``index``, both ways."""
-        return self.codec.wire_bytes(self.part_numel(index))
+        """Size of an encoded part ``index``, both ways (the sum of its pieces)."""
+        return sum(self.piece_bytes(index, k) for k in range(len(self.pieces[index])))
 
-    def decode(self, index: int, data: bytes) -> torch.Tensor:
-        """Decode part ``index`` from a peer; refuse anything malformed."""
+    def piece_bytes(self, index: int, k: int) -> int:
+        start, end = self.pieces[index][k]
+        return self.codec.wire_bytes(end - start)
+
+    def _decode(self, index: int, k: int, data: bytes) -> torch.Tensor:
+        """Decode piece ``k`` of part ``index`` from a peer; refuse anything malformed."""
+        start, end = self.pieces[index][k]
         try:
-            return self.codec.decode(data, self.part_numel(index))
+            values = self.codec.decode(data, end - start)
         except CodecError as e:
             raise RoundFailed("bad_payload", e.reason) from None
+        if not all_finite(values):  # the codecs already refuse these; never let one through
+            raise RoundFailed("non_finite")
+        return values
+
+    # ---- tensor work: pure, on disjoint slices, safe in a worker thread -----------
+
+    def encode_piece(self, index: int, k: int) -> bytes:
+        """Our contribution to piece ``k`` of part ``index``, encoded; records what its receiver decodes."""
+        start, end = self.pieces[index][k]
+        payload = self.codec.encode(self.flat[start:end])
+        self.sent[start:end] = self.codec.decode(payload, end - start)
+        return payload
+
+    def decode_piece(self, k: int, data: bytes) -> torch.Tensor:
+        """A peer's contribution to piece ``k`` of our part."""
+        return self._decode(self.index, k, data)
+
+    def reduce_piece(self, k: int) -> bytes:
+        """Weighted mean of piece ``k`` of our part in member order, encoded once; placed in our result
+        as every other member will decode it."""
+        inputs = self._inputs[k]
+        try:
+            data = average_part(self.codec, [(self.weights[i], inputs[i]) for i in range(len(self.members))])
+        except CodecError as e:  # an average of finite values that overflowed the codec
+            raise RoundFailed("bad_average", e.reason) from None
+        self.place_piece(self.index, k, data)
+        return data
+
+    def place_piece(self, index: int, k: int, data: bytes) -> None:
+        """Store piece ``k`` of the average of part ``index`` (from its owner, or our own)."""
+        start, end = self.pieces[index][k]
+        self.result[start:end] = self._decode(index, k, data)
 
     # ---- events ----------------------------------------------------------------
 
@@ -115,32 +173,38 @@ class Group:
 
     # ---- reduce: this peer owns part ``self.index`` -----------------------------
 
-    def add_contribution(self, sender: int, weight: float, part: torch.Tensor) -> None:
-        """Store one member's slice of our part; reject what cannot be a real contribution."""
-        if sender in self.contributions:
+    def add_weight(self, sender: int, weight: float) -> None:
+        """A member's weight, sent once before its pieces; reject what cannot be a real one."""
+        if sender in self.weights:
             raise RoundFailed("duplicate_part")
         if not (isinstance(weight, float) and math.isfinite(weight) and weight > 0):
             raise RoundFailed("bad_weight")
-        if part.numel() != self.part_numel(self.index):
-            raise RoundFailed("bad_size")
-        if not bool(torch.isfinite(part).all()):
-            raise RoundFailed("non_finite")
-        self.contributions[sender] = (weight, part)
+        self.weights[sender] = weight
+
+    def add_piece(self, sender: int, k: int, values: torch.Tensor) -> bool:
+        """Store one member's piece ``k`` of our part; True once every member's piece ``k`` is in."""
+        start, end = self.pieces[self.index][k]
+        assert sender in self.weights and values.numel() == end - start
+        inputs = self._inputs[k]
+        if sender in inputs or self.reduced[k] is not None:
+            raise RoundFailed("duplicate_part")
+        inputs[sender] = values
+        return len(inputs) == len(self.members)
+
+    def set_reduced(self, k: int, data: bytes) -> None:
+        self.reduced[k] = data
+        self._inputs[k] = {}  # the inputs are no longer needed
+        self._reduced_count += 1
         self._changed.set()
 
-    async def reduced_part(self, deadline: float) -> bytes:
-        """The encoded average of the part this peer owns, once every member contributed."""
-        await self._wait(lambda: len(self.contributions) == len(self.members), deadline)
-        if self._reduced is None:
-            # Fixed member order: the same bytes whatever the arrival order.
-            self._reduced = average_part(self.codec, [self.contributions[i] for i in range(len(self.members))])
-            self.place(self.index, self._reduced)
-        return self._reduced
+    async def reduced_piece(self, k: int, deadline: float) -> bytes:
+        """The encoded average of piece ``k`` of our part, once every member's piece ``k`` is in."""
+        await self._wait(lambda: self.reduced[k] is not None, deadline)
+        return self.reduced[k]
 
-    def place(self, index: int, data: bytes) -> None:
-        """Store the encoded average of part ``index`` (from its owner, or our own)."""
-        start, end = self.bounds[index]
-        self.result[start:end] = self.decode(index, data)
+    async def all_reduced(self, deadline: float) -> None:
+        """Return once every piece of our part is averaged (and placed in our result)."""
+        await self._wait(lambda: self._reduced_count == len(self.reduced), deadline)
 
     # ---- vote --------------------------------------------------------------------
 

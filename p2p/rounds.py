@@ -31,7 +31,7 @@ from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
 from p2p.group import Group, RoundFailed, digest
 from p2p.swarm import Swarm, peer_id_from
-from p2p.wire import CHUNK_BYTES, WireError, close_writer, field as hfield, linger, read_frame, write_frame
+from p2p.wire import WireError, close_writer, field as hfield, linger, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,9 @@ class RoundProtocol:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadlines.deadline()
         exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
-        own = group.reduced_part(deadline)
-        await _all_or_fail([asyncio.ensure_future(c) for c in [own, *exchanges]], group)
-        vote = digest(group.result, group.id)
+        own = [self._contribute_own(group), group.all_reduced(deadline)]
+        await _all_or_fail([asyncio.ensure_future(c) for c in [*own, *exchanges]], group)
+        vote = await asyncio.to_thread(digest, group.result, group.id)
         group.add_vote(group.index, vote)
         header = {"g": group.id, "digest": vote}
         others = [p for p in group.members if p != group.me]
@@ -235,38 +235,65 @@ class RoundProtocol:
         return group.result
 
     async def _exchange(self, group: Group, j: int, deadline: float) -> None:
-        """Send our slice of member j's part, receive j's averaged part."""
-        data = group.payloads[j]
-        peer = group.members[j]
-        loop = asyncio.get_running_loop()
-        _, reader, writer = await self._open(peer, "part")
+        """Stream our pieces of member j's part to j while j streams the averaged pieces back."""
+        _, reader, writer = await self._open(group.members[j], "part")
         try:
-            header = {"g": group.id, "w": group.weight, "nbytes": len(data), "numel": group.flat.numel()}
-            sent = await write_frame(writer, header)
-            for offset in range(0, len(data), CHUNK_BYTES):
-                sent += await write_frame(writer, {}, data[offset : offset + CHUNK_BYTES])
-            self.metrics.sent_bytes.inc(sent)
-            faults.checkpoint("reduce", group.round + 1, len(group.members))
-            reply, _ = await read_frame(reader, max(0.1, deadline - loop.time()))
-            if not reply.get("ok"):
-                raise RoundFailed(str(reply.get("reason", "peer_failed"))[:40])
-            averaged = await self._read_payload(reader, group.wire_bytes(j), deadline)
-            group.place(j, averaged)
-            faults.checkpoint("gather", group.round + 1, len(group.members))
+            header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel()}
+            self.metrics.sent_bytes.inc(await write_frame(writer, header))
+            sending = asyncio.ensure_future(self._send_pieces(group, j, writer))
+            receiving = asyncio.ensure_future(self._receive_average(group, j, reader, deadline))
+            await _all_or_fail([sending, receiving], group)
         finally:
             await close_writer(writer)
 
-    async def _read_payload(self, reader, nbytes: int, deadline: float) -> bytes:
+    async def _send_pieces(self, group: Group, j: int, writer) -> None:
+        """Our contribution to part j, piece by piece (encoded off the event loop)."""
+        for k in range(len(group.pieces[j])):
+            payload = await asyncio.to_thread(group.encode_piece, j, k)
+            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
+        faults.checkpoint("reduce", group.round + 1, len(group.members))
+
+    async def _receive_average(self, group: Group, j: int, reader, deadline: float) -> None:
+        """Member j's averaged pieces of its part, into our result; count whatever is malformed."""
+        for k in range(len(group.pieces[j])):
+            expected = group.piece_bytes(j, k)
+            try:
+                header, payload = await self._read_payload(reader, expected, deadline)
+            except WireError as e:
+                if e.reason in _MALFORMED:  # not for a peer that is merely slow or gone
+                    self.swarm.reject(e.reason, str(e))
+                raise
+            if header.get("ok") is False:  # j gave up on the round, and says why
+                raise RoundFailed(str(header.get("reason", "peer_failed"))[:40])
+            try:
+                if len(payload) != expected:
+                    raise WireError("bad_size", f"averaged piece of {len(payload)} bytes, expected {expected}")
+                await asyncio.to_thread(group.place_piece, j, k, payload)
+            except (WireError, RoundFailed) as e:
+                self.swarm.reject(e.reason, str(e))
+                raise
+        faults.checkpoint("gather", group.round + 1, len(group.members))
+
+    async def _read_payload(self, reader, nbytes: int, deadline: float) -> tuple[dict, bytes]:
+        """One frame of at most ``nbytes`` payload bytes, within the round's deadline."""
         loop = asyncio.get_running_loop()
-        chunks, got = [], 0
-        while got < nbytes:
-            _, payload = await read_frame(reader, max(0.1, deadline - loop.time()), max_payload=CHUNK_BYTES)
-            if not payload or got + len(payload) > nbytes:
-                raise WireError("bad_size", "payload does not add up")
-            chunks.append(payload)
-            got += len(payload)
-        self.metrics.received_bytes.inc(got)
-        return b"".join(chunks)
+        header, payload = await read_frame(reader, max(0.1, deadline - loop.time()), max_payload=nbytes)
+        self.metrics.received_bytes.inc(len(payload))
+        return header, payload
+
+    async def _contribute_own(self, group: Group) -> None:
+        """Our own slice of our part: encoded like everyone's, so we average what we send."""
+        for k, (start, end) in enumerate(group.pieces[group.index]):
+            await asyncio.to_thread(group.encode_piece, group.index, k)
+            await self._add_piece(group, group.index, k, group.sent[start:end])
+
+    async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor) -> None:
+        """Store a piece of our part; the contribution that completes piece k averages it."""
+        if group.add_piece(sender, k, values):
+            try:
+                group.set_reduced(k, await asyncio.to_thread(group.reduce_piece, k))
+            except RoundFailed as e:  # not the sender's fault: fail the round, not the stream
+                group.fail(e.reason, str(e))
 
     async def _broadcast_abort(self, group: Group, reason: str) -> None:
         others = [p for p in group.members if p != group.me]
@@ -366,25 +393,39 @@ class RoundProtocol:
         group, index = await self._group_for(sender, header)
         weight = hfield(header, "w", float)
         nbytes = hfield(header, "nbytes", int)
-        if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.wire_bytes(group.index):
-            group.fail("bad_size")
-            raise RoundFailed("bad_size")
-        deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
-        data = await self._read_payload(reader, nbytes, deadline)
         try:
-            group.add_contribution(index, weight, group.decode(group.index, data))
+            if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.wire_bytes(group.index):
+                raise RoundFailed("bad_size")
+            group.add_weight(index, weight)
         except RoundFailed as e:
             group.fail(e.reason)
             raise
+        deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
+        receiving = asyncio.ensure_future(self._receive_pieces(group, index, reader, deadline))
         try:
-            reduced = await group.reduced_part(deadline)
+            for k in range(len(group.reduced)):
+                data = await group.reduced_piece(k, deadline)
+                self.metrics.sent_bytes.inc(await write_frame(writer, {}, data))
         except RoundFailed as e:
+            if receiving.done() and not receiving.cancelled() and receiving.exception() is not None:
+                raise receiving.exception() from None  # the sender's own input failed the round: count it
             await _reply(writer, {"ok": False, "reason": e.reason})
-            return
-        sent = await write_frame(writer, {"ok": True})
-        for offset in range(0, len(reduced), CHUNK_BYTES):
-            sent += await write_frame(writer, {}, reduced[offset : offset + CHUNK_BYTES])
-        self.metrics.sent_bytes.inc(sent)
+        finally:
+            receiving.cancel()
+            await asyncio.gather(receiving, return_exceptions=True)
+
+    async def _receive_pieces(self, group: Group, index: int, reader, deadline: float) -> None:
+        """Member ``index``'s pieces of our part; anything wrong fails the round at once."""
+        try:
+            for k in range(len(group.reduced)):
+                _, payload = await self._read_payload(reader, group.piece_bytes(group.index, k), deadline)
+                if len(payload) != group.piece_bytes(group.index, k):
+                    raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {group.piece_bytes(group.index, k)}")
+                values = await asyncio.to_thread(group.decode_piece, k, payload)
+                await self._add_piece(group, index, k, values)
+        except (WireError, RoundFailed) as e:
+            group.fail(e.reason, str(e))
+            raise
 
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
         group, index = await self._group_for(sender, header)
@@ -397,6 +438,10 @@ class RoundProtocol:
 
 class _Behind(Exception):
     pass
+
+
+# Frames a peer got wrong (counted as rejected), as opposed to a peer that was slow or gone.
+_MALFORMED = frozenset({"oversized_header", "oversized_payload", "bad_header"})
 
 
 async def _reply(writer, header: dict) -> None:

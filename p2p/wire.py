@@ -15,10 +15,10 @@ from typing import Any
 import msgpack
 
 # Header and payload limits. A header is a handful of fields; the payload is a
-# slice of tensor bytes, and senders split larger payloads into several frames.
+# slice of tensor bytes (one piece of an all-reduce part, one chunk of state),
+# and readers that know the exact size pass a tighter ``max_payload``.
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
-CHUNK_BYTES = 4 * 1024 * 1024
 
 _PREFIX = struct.Struct("!II")  # header length, payload length
 

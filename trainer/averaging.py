@@ -58,6 +58,7 @@ class InProcessGroup:
         self.fail = frozenset(fail)
         self._rounds: dict[int, _Round] = {}
         self._done: set[int] = set()
+        self._sat_out: set[tuple[int, int]] = set()
 
     def member(self, index: int) -> Averager:
         if not 0 <= index < self.k:
@@ -65,7 +66,31 @@ class InProcessGroup:
         return _Member(self, index)
 
     def _expected(self, round: int) -> int:
-        return sum(1 for i in range(self.k) if (i, round) not in self.fail)
+        return sum(1 for i in range(self.k) if (i, round) not in self.fail and (i, round) not in self._sat_out)
+
+    async def sit_out(self, index: int, round: int) -> list[torch.Tensor] | None:
+        """Member ``index`` will not contribute to ``round`` but receives its average (a
+        peer that re-synced while the round was already in flight)."""
+        if round in self._done:
+            return None
+        self._sat_out.add((index, round))
+        state = self._rounds.get(round)
+        if state is None:
+            state = self._rounds[round] = _Round(self._expected(round))
+        else:
+            state.expected -= 1
+            self._maybe_finish(round, state)
+        result = await state.result
+        return None if result is None else [t.clone() for t in result]
+
+    def _maybe_finish(self, round: int, state: "_Round") -> None:
+        if len(state.contributions) == state.expected and not state.result.done():
+            ordered = [state.contributions[i] for i in sorted(state.contributions)]
+            # A round where nobody did any work has nothing to average.
+            result = weighted_average(ordered) if sum(w for _, w in ordered) > 0 else None
+            state.result.set_result(result)
+            del self._rounds[round]
+            self._done.add(round)
 
     async def _average(self, index: int, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
         if (index, round) in self.fail or round in self._done:
@@ -83,13 +108,7 @@ class InProcessGroup:
             if len(ref) != len(tensors) or any(a.shape != b.shape for a, b in zip(ref, tensors)):
                 raise ValueError(f"member {index} sent tensors that do not match the round's shapes")
         state.contributions[index] = ([t.detach().clone() for t in tensors], float(weight))
-        if len(state.contributions) == state.expected:
-            ordered = [state.contributions[i] for i in sorted(state.contributions)]
-            # A round where nobody did any work has nothing to average.
-            result = weighted_average(ordered) if sum(w for _, w in ordered) > 0 else None
-            state.result.set_result(result)
-            del self._rounds[round]
-            self._done.add(round)
+        self._maybe_finish(round, state)
         result = await state.result
         return None if result is None else [t.clone() for t in result]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MODEL_PRESETS = ("tiny", "small", "base")
+OVERLAP_MODES = ("off", "delayed", "eager")
 
 
 def require(ok: bool, key: str, message: str) -> None:
@@ -45,6 +46,8 @@ class DataConfig:
     eval_fraction: float = 0.02
     # Batches of held-out data averaged for one eval loss figure.
     eval_batches: int = 8
+    # Evaluate the global parameters every this many committed rounds; 0 = never.
+    eval_every: int = 1
 
     def __post_init__(self) -> None:
         require(all(isinstance(p, str) and p for p in self.paths), "data.paths", "must be a list of non-empty paths")
@@ -52,6 +55,7 @@ class DataConfig:
         require(self.seq_len >= 0, "data.seq_len", f"must be >= 0 (got {self.seq_len})")
         require(0.0 < self.eval_fraction < 0.5, "data.eval_fraction", f"must be in (0, 0.5) (got {self.eval_fraction})")
         require(self.eval_batches >= 1, "data.eval_batches", f"must be >= 1 (got {self.eval_batches})")
+        require(self.eval_every >= 0, "data.eval_every", f"must be >= 0 (got {self.eval_every})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,7 +98,16 @@ class OuterConfig:
     momentum: float = 0.9
     # Nesterov momentum (DiLoCo's choice); false = heavy-ball.
     nesterov: bool = True
+    # Overlap of the round's all-reduce with the next round's inner steps:
+    # off = wait for the average, then train from the new global parameters;
+    # delayed = train on from the last committed parameters while the average travels;
+    # eager = as delayed, but start from a preview of the next outer step that uses this
+    # peer's own pseudo-gradient (its 1/M share) in place of the unknown average
+    # (Kale et al., arXiv 2502.12996). The global parameters stay bit-identical on all
+    # peers in every mode: the preview is local, the outer step uses the committed average.
+    overlap: str = "off"
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "outer.lr", f"must be > 0 (got {self.lr})")
         require(0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1) (got {self.momentum})")
+        require(self.overlap in OVERLAP_MODES, "outer.overlap", f"must be one of {', '.join(OVERLAP_MODES)} (got {self.overlap!r})")

@@ -8,6 +8,7 @@ the whole algorithm: inner steps, pseudo-gradient, average, outer step.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
@@ -74,7 +75,10 @@ class DiLoCoWorker:
             # The per-tensor loop on CPU (where foreach buys nothing); batched kernels on GPUs.
             foreach=self.device.type == "cuda",
         )
+        self.outer_cfg = outer
         self.outer_opt = OuterOptimizer(self.global_params, outer)
+        # Where the local copy started this round when that is not θ (overlapped rounds).
+        self.origin: list[torch.Tensor] | None = None
         self.sampler = ShardSampler(
             corpus,
             shard_key=shard_key,
@@ -121,20 +125,54 @@ class DiLoCoWorker:
 
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """Δ = θ − θ_local, fp32 on CPU."""
-        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.model.parameters())]
+        """Δ = start − θ_local, fp32 on CPU; the start is θ unless rounds overlap."""
+        start = self.origin if self.origin is not None else self.global_params
+        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(start, self.model.parameters())]
 
-    def apply_outer(self, avg_delta: list[torch.Tensor]) -> None:
-        """Outer step on θ with the round's averaged Δ; the local copy restarts from the new θ."""
+    def apply_outer(self, avg_delta: list[torch.Tensor], *, reset_local: bool = True) -> None:
+        """Outer step on θ with the round's averaged Δ; the local copy restarts from the new
+        θ, unless rounds overlap (it is then training the next round already)."""
         self.outer_opt.step(avg_delta)
         self.round += 1
-        self.reset_local()
+        if reset_local:
+            self.reset_local()
 
     @torch.no_grad()
     def reset_local(self) -> None:
         """Discard local progress: θ_local ← θ (AdamW state stays)."""
+        self.origin = None
         for g, p in zip(self.global_params, self.model.parameters()):
             p.copy_(g)
+
+    @torch.no_grad()
+    def start_overlapped(self, own_delta: list[torch.Tensor], share: float) -> None:
+        """Start the next round's inner steps before this round's average is known.
+
+        delayed: from θ as last committed. eager: from a preview of the coming outer step
+        in which this peer's own Δ, scaled by its share of the round's weight (≈ 1/M),
+        stands in for the average (arXiv 2502.12996); the other members' Δ reach θ one
+        round late, with the committed outer step. The preview is local: θ and the outer
+        momentum change only through ``apply_outer``."""
+        if self.outer_cfg.overlap == "delayed":
+            start = [g.clone() for g in self.global_params]
+        else:
+            start = self._preview([d * share for d in own_delta])
+        for s, p in zip(start, self.model.parameters()):
+            p.copy_(s)
+        self.origin = start
+
+    def _preview(self, g: list[torch.Tensor]) -> list[torch.Tensor]:
+        """θ after one outer step with gradient g, leaving θ and the momentum untouched."""
+        cfg = self.outer_cfg
+        out = []
+        for theta, m, d in zip(self.global_params, self.outer_opt.momentum_buffers(), g):
+            if cfg.momentum == 0:
+                step = d
+            else:
+                m_next = cfg.momentum * m + d if self.outer_opt.steps else d.clone()
+                step = d + cfg.momentum * m_next if cfg.nesterov else m_next
+            out.append(theta - cfg.lr * step)
+        return out
 
     # -- swarm state --------------------------------------------------------
 
@@ -181,7 +219,8 @@ class DiLoCoWorker:
         params = list(self.model.parameters())
         saved = [p.detach().clone() for p in params]
         was_training = self.model.training
-        self.reset_local()
+        for g, p in zip(self.global_params, params):
+            p.copy_(g)
         self.model.eval()
         try:
             losses = [self.model(x.to(self.device), y.to(self.device))[1].item() for x, y in self._eval_batches]
@@ -208,6 +247,7 @@ class DiLoCoWorker:
             "inner_opt": self.inner_opt.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
+            "origin": None if self.origin is None else [o.clone() for o in self.origin],
         }
         if self.device.type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
@@ -227,6 +267,8 @@ class DiLoCoWorker:
         _check_tensors(d.get("local_params"), self.global_params, "checkpoint local_params")
         if not isinstance(d.get("rng_cpu"), torch.Tensor) or d["rng_cpu"].dtype != torch.uint8:
             raise ValueError("checkpoint: rng_cpu must be a uint8 tensor")
+        if d.get("origin") is not None:
+            _check_tensors(d["origin"], self.global_params, "checkpoint origin")
         self.outer_opt.load_state_dict(d.get("outer"))
         self.inner_opt.load_state_dict(d.get("inner_opt"))
         self.sampler.load_state_dict(d.get("sampler"))
@@ -237,6 +279,7 @@ class DiLoCoWorker:
         torch.set_rng_state(d["rng_cpu"])
         if "rng_cuda" in d and self.device.type == "cuda":
             torch.cuda.set_rng_state(d["rng_cuda"], self.device)
+        self.origin = None if d.get("origin") is None else [o.clone() for o in d["origin"]]
         self.round = d["round"]
         self.inner_step = d["inner_step"]
 
@@ -260,3 +303,42 @@ async def run_round(
         return stats, False
     worker.apply_outer(avg)
     return stats, True
+
+
+async def run_round_overlapped(
+    worker: DiLoCoWorker,
+    averager: Averager,
+    steps: int,
+    pending: asyncio.Future | None,
+    share: float,
+) -> tuple[InnerStats, bool | None, asyncio.Future | None]:
+    """One overlapped DiLoCo round (``outer.overlap`` delayed or eager).
+
+    Inner steps run while the previous round's average is still travelling
+    (``pending``); it is applied afterwards, and the next round starts before this
+    round's average is known. Returns the inner stats, whether the previous round
+    committed (None if there was none), and the new pending average. A member whose
+    previous round failed launches nothing: it must re-sync, then train from θ.
+    """
+    stats = worker.inner_steps(steps)
+    delta = worker.pseudo_gradient()
+    committed = None
+    if pending is not None:
+        avg = await pending
+        committed = avg is not None
+        if avg is None:
+            return stats, False, None
+        worker.apply_outer(avg, reset_local=False)
+    worker.start_overlapped(delta, share)
+    task = asyncio.ensure_future(averager.average(delta, weight=float(stats.tokens), round=worker.round))
+    return stats, committed, task
+
+
+async def drain(worker: DiLoCoWorker, pending: asyncio.Future | None) -> bool | None:
+    """Apply the last overlapped round's average, if any; the local copy restarts from θ."""
+    if pending is None:
+        return None
+    avg = await pending
+    if avg is not None:
+        worker.apply_outer(avg)
+    return avg is not None

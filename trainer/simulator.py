@@ -15,7 +15,7 @@ from typing import Callable
 
 from trainer.averaging import Averager, InProcessGroup
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
-from trainer.diloco import DiLoCoWorker, run_round
+from trainer.diloco import DiLoCoWorker, drain, run_round, run_round_overlapped
 
 
 class Simulator:
@@ -41,6 +41,8 @@ class Simulator:
             )
             for i in range(k)
         ]
+        self.overlap = outer.overlap != "off"
+        self._pending: list[asyncio.Future | None] = [None] * k
         self.group = InProcessGroup(k, fail=fail)
         self._members = [self.group.member(i) for i in range(k)]
         if wrap is not None:
@@ -50,9 +52,12 @@ class Simulator:
         """``rounds`` outer rounds of ``steps`` inner steps each; one record per round."""
         records = []
         for _ in range(rounds):
-            results = await asyncio.gather(
-                *(run_round(w, m, steps) for w, m in zip(self.workers, self._members))
-            )
+            if self.overlap:
+                results = await self._overlapped_round(steps)
+            else:
+                results = await asyncio.gather(
+                    *(run_round(w, m, steps) for w, m in zip(self.workers, self._members))
+                )
             committed = [ok for _, ok in results]
             self._resync(committed)
             records.append({
@@ -64,15 +69,43 @@ class Simulator:
             })
         return records
 
+    async def _overlapped_round(self, steps: int) -> list[tuple]:
+        """Each worker's round r+1 inner steps, then round r's average lands (None = no round yet)."""
+        share = 1.0 / len(self.workers)
+        out = await asyncio.gather(*(
+            run_round_overlapped(w, m, steps, p, share)
+            for w, m, p in zip(self.workers, self._members, self._pending)
+        ))
+        self._pending = [p for _, _, p in out]
+        return [(stats, True if ok is None else ok) for stats, ok, _ in out]
+
+    async def finish(self) -> list[bool | None]:
+        """Overlapped runs: apply the last round's average on every worker."""
+        done = await asyncio.gather(*(drain(w, p) for w, p in zip(self.workers, self._pending)))
+        self._pending = [None] * len(self.workers)
+        return list(done)
+
     def _resync(self, committed: list[bool]) -> None:
         # A worker that missed a round is one round behind; like a peer in the
         # swarm it downloads the global state from one that committed.
         if all(committed) or not any(committed):
             return
         state = self.workers[committed.index(True)].global_state()
-        for worker, ok in zip(self.workers, committed):
+        for i, (worker, ok) in enumerate(zip(self.workers, committed)):
             if not ok:
                 worker.load_global_state(state)
+                if self.overlap:
+                    # The others' next round is already in flight: sit it out, receive its
+                    # average, and contribute from the round after (as a re-synced peer does).
+                    self._pending[i] = asyncio.ensure_future(self.group.sit_out(i, worker.round))
 
     def run_sync(self, rounds: int, steps: int) -> list[dict]:
-        return asyncio.run(self.run(rounds, steps))
+        """``rounds`` rounds, then (overlapped runs) the last average applied everywhere."""
+
+        async def both():
+            records = await self.run(rounds, steps)
+            if self.overlap:
+                await self.finish()
+            return records
+
+        return asyncio.run(both())

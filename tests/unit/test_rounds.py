@@ -6,13 +6,15 @@ import os
 import pytest
 import torch
 
+import p2p.group
 from node.metrics import NodeMetrics
 from p2p.config import SwarmConfig
 from p2p.codecs import get_codec
-from p2p.compression import part_bounds
+from p2p.compression import average_part, part_bounds, piece_bounds
 from p2p.group import Group
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
+from p2p.wire import write_frame
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -152,5 +154,117 @@ async def test_peers_that_forgot_each_other_find_the_swarm_again():
             while {p: r.inner_step for p, r in (await a.refresh_peers()).items()} != {b.peer_id: 101, c.peer_id: 102}:
                 await asyncio.sleep(0.1)
         assert a.peer_id in {str(p) for p in b.dht.protocol.routing_table.peer_id_to_uid}
+    finally:
+        await stop_peers(peers)
+
+
+def by_member(peers, values):
+    """``values`` (one per peer, in peer order) in the group's member order (sorted peer ids)."""
+    return [v for _, v in sorted(zip([s.peer_id for s, _, _ in peers], values))]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "fp4"])
+async def test_pieces_average_exactly_as_whole_parts_would(codec, monkeypatch):
+    # Small pieces, so every part streams as several of them, the last one short.
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    peers = await start_peers(3, min_peers=3, codec=codec)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        numel = 2000 + 37
+        inputs = [torch.randn(numel, generator=gen) for _ in peers]
+        weights = [1.0, 3.0, 0.5]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(r.average([x], w, 0) for (_, r, _), x, w in zip(peers, inputs, weights))), 60)
+        assert all(res is not None for res in results), [r.last for _, r, _ in peers]
+        # The arithmetic of the whole-part butterfly (and of the simulator): each member's part
+        # encoded at once, averaged in member order, the average encoded once.
+        c = get_codec(codec)
+        bounds = part_bounds(numel, 3)
+        assert all(len(piece_bounds(s, e, c, 256)) > 1 for s, e in bounds)
+        expected = torch.empty(numel)
+        for s, e in bounds:
+            sent = [(w, c.decode(c.encode(x[s:e].contiguous()), e - s))
+                    for x, w in by_member(peers, list(zip(inputs, weights)))]
+            expected[s:e] = c.decode(average_part(c, sent), e - s)
+        for res in results:
+            assert torch.equal(res[0], expected)
+        for (_, r, _), x in zip(peers, inputs):
+            if codec == "fp32":
+                assert r.feedback is None
+                continue
+            # Error feedback kept exactly what the receivers did not get of this member's input.
+            sent = torch.cat([c.decode(c.encode(x[s:e].contiguous()), e - s) for s, e in bounds])
+            assert torch.equal(r.feedback.residual, x - sent)
+    finally:
+        await stop_peers(peers)
+
+
+async def test_averaged_pieces_flow_back_before_the_input_is_complete(monkeypatch):
+    # The two halves of the butterfly overlap: a part's owner sends its first averaged piece
+    # back while a member's later pieces of that part are still on their way.
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    peers = await start_peers(2, min_peers=2)
+    (a, ra, _), (b, rb, _) = sorted(peers, key=lambda p: p[0].peer_id)  # a owns part 0
+    events = []
+    place = Group.place_piece
+
+    def placing(group, index, k, data):
+        events.append(("placed", group.me, index, k))
+        place(group, index, k, data)
+
+    async def slow_last_piece(group, j, writer):
+        for k in range(len(group.pieces[j])):
+            if k == len(group.pieces[j]) - 1:
+                await asyncio.sleep(1.0)
+                events.append(("last_piece_sent", group.me, j, k))
+            await write_frame(writer, {}, group.encode_piece(j, k))
+
+    monkeypatch.setattr(Group, "place_piece", placing)
+    rb._send_pieces = slow_last_piece
+    try:
+        x, y = torch.randn(4096), torch.randn(4096)
+        res = await asyncio.wait_for(asyncio.gather(ra.average([x], 1.0, 0), rb.average([y], 1.0, 0)), 60)
+        assert res[0] is not None and torch.equal(res[0][0], res[1][0]) and torch.allclose(res[0][0], (x + y) / 2)
+        first_back = events.index(("placed", b.peer_id, 0, 0))
+        last_in = events.index(("last_piece_sent", b.peer_id, 0, 7))
+        assert first_back < last_in, events
+    finally:
+        await stop_peers(peers)
+
+
+@pytest.mark.parametrize("damage, reason", [("bad_code", "bad_payload"), ("short", "bad_size"),
+                                            ("long", "oversized_payload")])
+async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason, monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    peers = await start_peers(3, min_peers=3, codec="int8")
+    (a, ra, ma), (b, rb, mb), (c, rc, mc) = sorted(peers, key=lambda p: p[0].peer_id)
+
+    async def damaged_second_piece(group, j, writer):
+        for k in range(len(group.pieces[j])):
+            payload = bytearray(group.encode_piece(j, k))
+            if k == 1 and j == 0:  # only a's part is damaged
+                if damage == "bad_code":
+                    payload[-1] = 0x80  # int8 code -128: no encoder sends it
+                elif damage == "short":
+                    payload = payload[:-1]
+                else:
+                    payload += b"\0"
+            await write_frame(writer, {}, bytes(payload))
+
+    rb._send_pieces = damaged_second_piece
+    try:
+        inputs = [torch.randn(3000) for _ in range(3)]
+        res = await asyncio.wait_for(asyncio.gather(
+            *(r.average([x], 1.0, 0) for r, x in zip((ra, rb, rc), inputs))), 60)
+        assert res == [None, None, None]  # nothing applied anywhere
+        assert all(r.last.status == "aborted" for r in (ra, rb, rc))
+        assert rejected(ma, reason) == 1 and rejected(mb, reason) == 0 and rejected(mc, reason) == 0
+        assert all(r.feedback.residual.abs().max() == 0 for r in (ra, rb, rc))  # only a commit consumes it
+
+        # The same members then average normally.
+        del rb._send_pieces
+        res = await asyncio.wait_for(asyncio.gather(
+            *(r.average([x], 1.0, 0) for r, x in zip((ra, rb, rc), inputs))), 60)
+        assert all(r is not None and torch.equal(r[0], res[0][0]) for r in res), [r.last for r in (ra, rb, rc)]
     finally:
         await stop_peers(peers)

@@ -15,13 +15,13 @@ def corpus():
     return load_corpus(default_corpus_paths()[:30])
 
 
-def make_sim(corpus, fail=frozenset()):
+def make_sim(corpus, fail=frozenset(), overlap="off"):
     return Simulator(
         4,
         model=ModelConfig(preset="tiny"),
         data=DataConfig(batch_size=4, seq_len=64, eval_batches=2),
         inner=InnerConfig(lr=3e-3, warmup_steps=2, total_steps=0),
-        outer=OuterConfig(lr=0.7, momentum=0.9),
+        outer=OuterConfig(lr=0.7, momentum=0.9, overlap=overlap),
         corpus=corpus,
         seed=2,
         fail=fail,
@@ -74,3 +74,55 @@ def test_worker_resync_by_hand(corpus):
     assert w1.round == 1 and len({w.params_hash() for w in sim.workers}) == 1
     for a, b in zip(w1.outer_opt.momentum_buffers(), w0.outer_opt.momentum_buffers()):
         assert a.equal(b)
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_overlapped_rounds_learn_and_keep_theta_identical(corpus, overlap):
+    sim = make_sim(corpus, overlap=overlap)
+    initial_eval = sim.workers[0].eval_loss()
+    records = sim.run_sync(4, 6)
+    # Round r's average lands after round r+1's inner steps: θ lags one round until the end.
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
+    assert [w.round for w in sim.workers] == [4, 4, 4, 4]
+    for r in records:
+        assert len(set(r["hashes"])) == 1 and all(r["committed"])
+    assert len({w.params_hash() for w in sim.workers}) == 1
+    assert sim.workers[0].eval_loss() < initial_eval - 0.5
+    # After the drain every local copy restarted from θ.
+    assert all(w.origin is None for w in sim.workers)
+
+
+def test_overlapped_dropout_resyncs_and_all_end_identical(corpus):
+    sim = make_sim(corpus, fail={(2, 1)}, overlap="eager")
+    records = sim.run_sync(4, 4)
+    # Worker 2's average of round 2 (round index 1) fails; it learns so after round 3's steps.
+    assert records[2]["committed"] == [True, True, False, True]
+    sim_rounds = [w.round for w in sim.workers]
+    assert len(set(sim_rounds)) == 1, sim_rounds
+    assert len({w.params_hash() for w in sim.workers}) == 1
+
+
+def test_eager_start_is_the_outer_step_with_this_peers_share(corpus):
+    import torch
+
+    sim = make_sim(corpus, overlap="eager")
+    w = sim.workers[0]
+    w.inner_steps(3)
+    delta = w.pseudo_gradient()
+    # Reference: the same outer optimizer on a copy, fed delta / 4.
+    ref = [g.clone() for g in w.global_params]
+    from trainer.outer import OuterOptimizer
+    OuterOptimizer(ref, w.outer_cfg).step([d / 4 for d in delta])
+    before = w.params_hash()
+    w.start_overlapped(delta, 0.25)
+    assert w.params_hash() == before  # θ untouched
+    for o, r, p in zip(w.origin, ref, w.model.parameters()):
+        assert torch.allclose(o, r, atol=1e-6) and torch.equal(p.detach(), o)
+    # A second preview, with momentum now present, matches torch's Nesterov step too.
+    w.apply_outer([d.clone() for d in delta], reset_local=False)
+    ref = [g.clone() for g in w.global_params]
+    opt = OuterOptimizer(ref, w.outer_cfg)
+    opt.load_state_dict(w.outer_opt.state_dict())
+    opt.step([d / 4 for d in delta])
+    w.start_overlapped(delta, 0.25)
+    assert all(torch.allclose(o, r, atol=1e-6) for o, r in zip(w.origin, ref))
