@@ -66,6 +66,7 @@ class PeerRecord:
     inner_step: int
     loss: float | None
     maddrs: tuple[str, ...]
+    round_tokens: int = 0  # tokens trained so far towards its next round
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +76,7 @@ class PeerRecord:
             "params_hash": self.params_hash,
             "inner_step": self.inner_step,
             "loss": self.loss,
+            "round_tokens": self.round_tokens,
             "multiaddrs": list(self.maddrs),
         }
 
@@ -87,6 +89,7 @@ def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
         raise ValueError("bad_heartbeat")
     state, rnd, phash = value.get("state"), value.get("round"), value.get("hash")
     step, loss, maddrs = value.get("step", 0), value.get("loss"), value.get("maddrs", [])
+    rtok = value.get("rtok", 0)
     if state not in STATES:
         raise ValueError("bad_heartbeat_state")
     if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd < 2**53:
@@ -95,11 +98,13 @@ def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
         raise ValueError("bad_heartbeat_hash")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError("bad_heartbeat_step")
+    if not isinstance(rtok, int) or isinstance(rtok, bool) or not 0 <= rtok < 2**53:
+        raise ValueError("bad_heartbeat_round_tokens")
     if loss is not None and not isinstance(loss, (int, float)):
         raise ValueError("bad_heartbeat_loss")
     if not isinstance(maddrs, list) or len(maddrs) > 32 or not all(isinstance(a, str) and len(a) < 512 for a in maddrs):
         raise ValueError("bad_heartbeat_maddrs")
-    return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs))
+    return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs), rtok)
 
 
 class Swarm:
@@ -114,7 +119,7 @@ class Swarm:
         self.maddrs: list[str] = []
         self._on_reject = on_reject
         self._key = f"gonka:{run_id}:peers"
-        self._me: dict[str, Any] = {"state": "joining", "round": 0, "hash": "", "step": 0, "loss": None}
+        self._me: dict[str, Any] = {"state": "joining", "round": 0, "hash": "", "step": 0, "loss": None, "rtok": 0}
         self._peers: dict[str, PeerRecord] = {}
         self._peers_at = 0.0
         # False after a failed lookup: the table may be stale, don't act on it alone.

@@ -60,8 +60,15 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class InnerConfig:
-    # H: local AdamW steps between two outer synchronisations.
+    # H: local AdamW steps between two outer synchronisations (when neither rule below is set).
     steps: int = 50
+    # Heterogeneous hosts: end every round after this many seconds of inner steps on each
+    # peer, whatever its speed; 0 = off. Each peer contributes the steps it managed,
+    # weighted by its tokens. With round_tokens, whichever comes first ends the round.
+    round_seconds: float = 0.0
+    # Heterogeneous hosts: end every round once the round's peers together trained on this
+    # many tokens (progress is shared through the heartbeats); 0 = off.
+    round_tokens: int = 0
     # Peak learning rate of the inner AdamW.
     lr: float = 1e-3
     # Linear warmup, in inner steps counted over the whole run.
@@ -80,6 +87,8 @@ class InnerConfig:
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "inner.steps", f"must be >= 1 (got {self.steps})")
+        require(self.round_seconds >= 0, "inner.round_seconds", f"must be >= 0 (got {self.round_seconds})")
+        require(self.round_tokens >= 0, "inner.round_tokens", f"must be >= 0 (got {self.round_tokens})")
         require(self.lr > 0, "inner.lr", f"must be > 0 (got {self.lr})")
         require(self.warmup_steps >= 0, "inner.warmup_steps", f"must be >= 0 (got {self.warmup_steps})")
         require(self.total_steps >= 0, "inner.total_steps", f"must be >= 0 (got {self.total_steps})")

@@ -1,39 +1,44 @@
-"""Benchmark ``utilization``: the share of wall time a node spends in inner steps during a real run.
+"""Benchmark ``utilization``: the share of wall time a node spends in inner steps, per overlap mode.
 
-``--nodes`` real `gonka-node start` processes (tiny model, ``--min-peers``
-= nodes, ``--max-rounds`` = ``--rounds``) on a ``netbed.Testbed`` at
-``--rate``; a scraper inside each host's namespace polls the node's metrics
-endpoint (``swarmbench_scrape.py``). The node loop is not overlapped yet:
-averaging blocks the next round's inner steps, so utilization sits well
-below 1 — this is the baseline issue 5 improves on.
+For each mode of ``--overlap`` (default ``off,eager``), one after the other
+on the same ``netbed.Testbed``, ``--nodes`` real `gonka-node start`
+processes (``--min-peers`` = nodes, ``--max-rounds`` = ``--rounds`` = R,
+``--overlap MODE``) train at ``--rate``. Every node gets
+``--set data.eval_every=R``: evaluation is a user's choice, not time lost to
+the network, so it runs once, after the last round, outside the window below.
 
-Per node:
+Utilization comes from the node's own log, which is exact. At the end of each
+phase of inner steps a node logs
+``trained round=K steps=N seconds=S loss=L``: the timestamp is the end of the
+phase, ``S`` its length, so it started at ``end − S``. Phase k is the k-th
+such line (its work goes into round k; overlapped, a node trains one phase
+more than R, whose work is never sent). Over phases 2..R, the ones that fed
+committed rounds, leaving out phase 1 because it absorbs the swarm's start-up
+skew:
 
-- ``train_seconds``: time in inner steps. ``gonka_node_inner_step_seconds``
-  gets one observation per round (the round's *mean* step time), so the
-  total is ``_sum * inner_steps_total / _count`` (exact when every round
-  has the same number of steps, as here);
-- ``wall_seconds``: from the node's first inner step to its last commit. The
-  start of the first inner step is not logged, so it is estimated as the
-  first commit minus round 1's inner steps, gather wait and all-reduce
-  (round 1's apply + evaluation is left in, ~tens of ms);
-- ``wait_seconds`` = wall − train; ``utilization`` = train / wall;
-- ``steady_utilization``: the same from the first to the last commit (rounds
-  2..R), leaving out the start-up skew that round 1's gather absorbs;
-- ``gather_wait_s`` / ``allreduce_s``: medians per round (rounds 2..R for
-  the gather wait, from the metrics; all rounds for the all-reduce, from the
-  log).
+    utilization = Σ S_k / (end of phase R − start of phase 2)
 
-The notes hold the per-round table: commit time (median over nodes, from the
-swarm's first commit), spread of the commits, all-reduce seconds (median and
-max over nodes), members.
+Per node: ``train_seconds`` = Σ S_k, ``wall_seconds`` = the denominator,
+``wait_seconds`` = wall − train (what the node spent between phases: its
+all-reduce with overlap off; pseudo-gradient, the wait for a late average,
+checkpoint, consistency check with overlap on), ``gap_s`` the median of the
+R − 2 gaps between phases, ``step_ms`` the mean inner step, ``allreduce_s``
+the median of the all-reduce seconds of rounds 1..R from the commit lines,
+``eval_loss`` after round R, ``resyncs`` and ``aborts`` counted in the log.
+One row per mode holds the medians over nodes (``node`` = ``median``).
+
+The notes hold a per-round table for each mode (medians over nodes): the
+phase's inner-step seconds, the gap after it, the round's all-reduce (median
+and max), when the round committed (from the first phase's start), how far
+apart the nodes committed, members, and whether all nodes committed the same
+parameters. The node logs are kept in ``OUT/utilization-logs/MODE/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,78 +46,145 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.swarmbench_common import (SCRIPTS, commits, listening_address, log_tail, median, node_argv, read_text,
-                                          stop_all)
+from benchmarks.swarmbench_common import (_STAMP, RESYNC, SCRIPTS, aborted_attempts, commits, listening_address,
+                                          log_tail, median, node_argv, read_text, stamp_to_unix, stop_all)
 
-SCRAPER = Path(__file__).resolve().parent / "swarmbench_scrape.py"
-COLUMNS = ["node", "rounds", "inner_steps", "step_ms", "train_seconds", "wall_seconds", "wait_seconds", "utilization",
-           "steady_utilization", "gather_wait_s", "allreduce_s"]
-PORT, METRICS_PORT = 31337, 9400
-SCRAPE_INTERVAL = 0.2
+TRAINED = re.compile(_STAMP + r"INFO gonka\.node: trained round=(\d+) steps=(\d+) seconds=([0-9.]+) loss=(\S+)", re.M)
+COLUMNS = ["overlap", "node", "utilization", "train_seconds", "wall_seconds", "wait_seconds", "gap_s", "step_ms",
+           "allreduce_s", "eval_loss", "resyncs", "aborts"]
+SUMMARY_FIELDS = ["utilization", "train_seconds", "wall_seconds", "wait_seconds", "gap_s", "step_ms", "allreduce_s",
+                  "eval_loss"]
+OVERLAP_MODES = ("off", "delayed", "eager")  # as trainer.config.OVERLAP_MODES
+PORT = 31337
+
+
+def modes_arg(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in OVERLAP_MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"must be distinct modes from {', '.join(OVERLAP_MODES)}, got {text!r}")
+    return modes
 
 
 def add_arguments(group) -> None:
+    group.add_argument("--overlap", type=modes_arg, default=["off", "eager"],
+                       help="overlap modes to compare, one swarm run each, in this order (default off,eager)")
     group.add_argument("--nodes", type=int, default=4, help="testbed hosts, one node each (default 4; min_peers = nodes)")
-    group.add_argument("--rate", default="100mbit", help="every host's link, both ways (default 100mbit)")
-    group.add_argument("--rounds", type=int, help="outer rounds (default 8; 4 with --quick)")
-    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 100; 50 with --quick)")
+    group.add_argument("--rate", default="20mbit",
+                       help="every host's link, both ways (default 20mbit: the tiny model's all-reduce takes ~2 s)")
+    group.add_argument("--rounds", type=int, help="outer rounds R (default 8; 4 with --quick)")
+    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 100; 40 with --quick)")
     group.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="model preset (default tiny)")
-    group.add_argument("--run-timeout", type=float, help="seconds the run may take (default 120 + 30 s per round)")
+    group.add_argument("--run-timeout", type=float, help="seconds one mode's run may take (default 120 + 30 s per round)")
     group.add_argument("--prefix", default="gsj", help="testbed name prefix (default gsj)")
 
 
-def load_series(path: Path) -> list[dict]:
+# ---- reading one node's log (pure) ---------------------------------------------------------
+
+def phases(log: str) -> list[dict]:
+    """Every `trained ...` line of a node log, in order: one phase of inner steps each."""
     out = []
-    for line in read_text(path).splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
+    for stamp, ms, rnd, steps, seconds, loss in TRAINED.findall(log):
+        end = stamp_to_unix(stamp, ms)
+        out.append({"round": int(rnd), "steps": int(steps), "seconds": float(seconds), "end": end,
+                    "start": end - float(seconds), "loss": float(loss)})
     return out
 
 
-def node_row(i: int, log: str, series: list[dict], args) -> tuple[dict, list[dict]]:
-    cs = commits(log)
-    if len(cs) < args.rounds:
-        raise RuntimeError(f"node {i} committed {len(cs)} of {args.rounds} rounds")
-    final = max((s["m"] for s in series), key=lambda m: m.get("gonka_node_inner_steps_total", 0), default={})
-    steps = final.get("gonka_node_inner_steps_total", 0)
-    count = final.get("gonka_node_inner_step_seconds_count", 0)
-    if not count or steps < args.rounds * args.inner_steps:
-        raise RuntimeError(f"node {i}: the scraper never saw all inner steps (saw {steps:.0f}, {count:.0f} rounds)")
-    train = final["gonka_node_inner_step_seconds_sum"] * steps / count
-    # Round 1 as the metrics saw it: the first scrape with one round of inner steps recorded.
-    first = next((s["m"] for s in series if s["m"].get("gonka_node_inner_step_seconds_count") == 1), None)
-    first_g = next((s["m"] for s in series if s["m"].get("gonka_node_gather_wait_seconds_count") == 1), None)
-    if first is None or first_g is None:
-        raise RuntimeError(f"node {i}: the scraper missed round 1")
-    train_1 = first["gonka_node_inner_step_seconds_sum"] * first["gonka_node_inner_steps_total"]
-    gather_1 = first_g["gonka_node_gather_wait_seconds_sum"]
-    c1, cr = cs[0], cs[args.rounds - 1]
-    t_first_step = c1["t"] - c1["allreduce"] - gather_1 - train_1
-    wall = cr["t"] - t_first_step
-    steady_wall = cr["t"] - c1["t"]
-    g_count = final.get("gonka_node_gather_wait_seconds_count", 0)
-    gather_rest = ((final["gonka_node_gather_wait_seconds_sum"] - gather_1) / (g_count - 1)) if g_count > 1 else None
-    row = {"node": i, "rounds": len(cs), "inner_steps": int(steps), "step_ms": 1000 * train / steps,
-           "train_seconds": train, "wall_seconds": wall, "wait_seconds": wall - train, "utilization": train / wall,
-           "steady_utilization": (train - train_1) / steady_wall if steady_wall > 0 else None,
-           "gather_wait_s": gather_rest, "allreduce_s": median(c["allreduce"] for c in cs[: args.rounds]),
-           "round1_gather_s": gather_1, "round1_train_s": train_1}
-    return row, cs[: args.rounds]
+def node_summary(log: str, rounds: int) -> tuple[dict, list[dict], list[dict]]:
+    """(row, phases 1..R, commits 1..R) of one node's log; ValueError if it lacks rounds."""
+    ps, cs = phases(log), commits(log)
+    if len(cs) < rounds or len(ps) < rounds:
+        raise ValueError(f"committed {len(cs)} and trained {len(ps)} of {rounds} rounds")
+    ps, cs = ps[:rounds], cs[:rounds]
+    window = ps[1:]
+    train = sum(p["seconds"] for p in window)
+    wall = window[-1]["end"] - window[0]["start"]
+    gaps = [b["start"] - a["end"] for a, b in zip(window, window[1:])]
+    row = {"utilization": train / wall if wall > 0 else None, "train_seconds": train, "wall_seconds": wall,
+           "wait_seconds": wall - train, "gap_s": median(gaps), "step_ms": 1000 * train / sum(p["steps"] for p in window),
+           "allreduce_s": median(c["allreduce"] for c in cs), "eval_loss": cs[-1]["eval_loss"],
+           "resyncs": len(RESYNC.findall(log)), "aborts": aborted_attempts(log),
+           # Phases whose logged round is not their place in the log (the label is the node's round + 1
+           # when the phase ends, so overlapped it lags when the average arrives after the phase).
+           "mislabeled": sum(p["round"] != k for k, p in enumerate(ps, 1))}
+    return row, ps, cs
 
 
-def round_table(per_node: list[list[dict]]) -> list[dict]:
-    t0 = min(cs[0]["t"] for cs in per_node)
+def round_table(per_node: list[tuple[list[dict], list[dict]]]) -> list[dict]:
+    """Per round, medians over nodes of (phases, commits) as node_summary returns them."""
+    t0 = min(ps[0]["start"] for ps, _ in per_node)
     table = []
-    for k in range(len(per_node[0])):
-        cs = [node[k] for node in per_node]
+    for k in range(len(per_node[0][1])):
+        cs = [node_cs[k] for _, node_cs in per_node]
         ts = [c["t"] for c in cs]
-        table.append({"round": cs[0]["round"], "commit_s": median(t - t0 for t in ts), "spread_s": max(ts) - min(ts),
-                      "allreduce_s": median(c["allreduce"] for c in cs), "allreduce_max_s": max(c["allreduce"] for c in cs),
-                      "members": min(c["members"] for c in cs), "identical": len({c["hash"] for c in cs}) == 1,
-                      "eval_loss": median(c["eval_loss"] for c in cs)})
+        gaps = [ps[k + 1]["start"] - ps[k]["end"] for ps, _ in per_node if k + 1 < len(ps)]
+        table.append({"round": cs[0]["round"], "train_s": median(ps[k]["seconds"] for ps, _ in per_node),
+                      "gap_after_s": median(gaps), "allreduce_s": median(c["allreduce"] for c in cs),
+                      "allreduce_max_s": max(c["allreduce"] for c in cs), "commit_s": median(t - t0 for t in ts),
+                      "spread_s": max(ts) - min(ts), "members": min(c["members"] for c in cs),
+                      "identical": len({c["hash"] for c in cs}) == 1})
     return table
+
+
+def round_notes(mode: str, table: list[dict]) -> list[str]:
+    lines = [f"[{mode}] round  train_s  gap_after_s  allreduce_s  allreduce_max_s  commit_s  spread_s  members  identical"]
+    for r in table:
+        gap = "-" if r["gap_after_s"] is None else f"{r['gap_after_s']:.3f}"
+        lines.append(f"{'':>{len(mode) + 2}} {r['round']:5d}  {r['train_s']:7.3f}  {gap:>11}  {r['allreduce_s']:11.3f}  "
+                     f"{r['allreduce_max_s']:15.3f}  {r['commit_s']:8.2f}  {r['spread_s']:8.3f}  {r['members']:7d}  "
+                     f"{'yes' if r['identical'] else 'NO':>9}")
+    return lines
+
+
+# ---- running one mode ---------------------------------------------------------------------
+
+def run_mode(tb, mode: str, k: int, args, workdir: Path, logdir: Path) -> tuple[list[dict], list[dict]]:
+    """One swarm run with ``--overlap mode`` on testbed tb: (per-node rows, round table)."""
+    run_id = f"util{os.getpid()}{mode}"
+    port = PORT + k  # a fresh port per mode: the previous run's sockets may linger
+    procs, logs, bootstrap = [], [], None
+    timeout = args.run_timeout or 120 + 30 * args.rounds
+    try:
+        for i in range(args.nodes):
+            ndir = workdir / mode / f"node{i}"
+            ndir.mkdir(parents=True)
+            logs.append(ndir / "node.log")
+            argv = node_argv(ip=tb.host_ip(i), port=port, run_id=run_id, workdir=ndir, model=args.model,
+                             inner_steps=args.inner_steps, min_peers=args.nodes, max_rounds=args.rounds,
+                             bootstrap=bootstrap,
+                             extra=["--overlap", mode, "--set", f"data.eval_every={args.rounds}"])
+            with open(logs[i], "wb") as f:
+                procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, cwd=ndir))
+            if i == 0:
+                bootstrap = listening_address(logs[0], procs[0], 90)
+                if bootstrap is None:
+                    raise RuntimeError(f"[{mode}] node 0 never listened; log tail:\n{log_tail(logs[0])}")
+        print(f"utilization [{mode}]: {args.nodes} nodes x {args.rounds} rounds of {args.inner_steps} inner steps "
+              f"at {args.rate} ...", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                i = next(n for n, p in enumerate(procs) if p.poll() is None)
+                raise RuntimeError(f"[{mode}] node {i} still running after {timeout:.0f}s; log tail:\n{log_tail(logs[i])}")
+            time.sleep(0.25)
+    finally:
+        stop_all(procs, grace=5)
+        logdir.mkdir(parents=True, exist_ok=True)
+        for i, log in enumerate(logs):
+            shutil.copyfile(log, logdir / f"node{i}.log")
+    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"[{mode}] node {bad[0]} exited with {procs[bad[0]].returncode}; log tail:\n{log_tail(logs[bad[0]])}")
+    rows, per_node = [], []
+    for i, log in enumerate(logs):
+        try:
+            row, ps, cs = node_summary(read_text(log), args.rounds)
+        except ValueError as e:
+            raise RuntimeError(f"[{mode}] node {i}: {e}; log tail:\n{log_tail(log)}") from None
+        rows.append({"overlap": mode, "node": i, **row})
+        per_node.append((ps, cs))
+    return rows, round_table(per_node)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -120,64 +192,34 @@ def run(args: argparse.Namespace) -> dict:
     import netbed
 
     args.rounds = args.rounds or (4 if args.quick else 8)
-    args.inner_steps = args.inner_steps or (50 if args.quick else 100)
-    if args.nodes < 2 or args.rounds < 2 or args.inner_steps < 1:
-        raise ValueError("--nodes and --rounds must be >= 2, --inner-steps >= 1")
+    args.inner_steps = args.inner_steps or (40 if args.quick else 100)
+    if args.nodes < 2 or args.rounds < 3 or args.inner_steps < 1:
+        raise ValueError("--nodes must be >= 2, --rounds >= 3 (phases 2..R need two), --inner-steps >= 1")
     netbed.parse_rate(args.rate)
-    timeout = args.run_timeout or 120 + 30 * args.rounds
-    run_id = f"util{os.getpid()}"
+    logroot = args.out / "utilization-logs"
     workdir = Path(tempfile.mkdtemp(prefix="utilization-"))
+    node_rows, summary, rounds, notes = [], {}, {}, []
     try:
         with netbed.Testbed(args.nodes, rate=args.rate, prefix=f"{args.prefix}{os.getpid() % 100000}u") as tb:
-            procs, logs, scrapers = [], [], []
-            bootstrap = None
-            for i in range(args.nodes):
-                ndir = workdir / f"node{i}"
-                ndir.mkdir()
-                logs.append(ndir / "node.log")
-                argv = node_argv(ip=tb.host_ip(i), port=PORT, run_id=run_id, workdir=ndir, model=args.model,
-                                 inner_steps=args.inner_steps, min_peers=args.nodes, max_rounds=args.rounds,
-                                 bootstrap=bootstrap, metrics_port=METRICS_PORT)
-                with open(logs[i], "wb") as f:
-                    procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, cwd=ndir))
-                scrapers.append(tb.run(i, [sys.executable, SCRAPER, f"http://{tb.host_ip(i)}:{METRICS_PORT}/metrics",
-                                           ndir / "metrics.jsonl", SCRAPE_INTERVAL, timeout + 30],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-                if i == 0:
-                    bootstrap = listening_address(logs[0], procs[0], 90)
-                    if bootstrap is None:
-                        raise RuntimeError(f"node 0 never listened; log tail:\n{log_tail(logs[0])}")
-            print(f"utilization: {args.nodes} nodes x {args.rounds} rounds of {args.inner_steps} inner steps "
-                  f"at {args.rate} ...", file=sys.stderr, flush=True)
-            deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
-                    i = next(k for k, p in enumerate(procs) if p.poll() is None)
-                    raise RuntimeError(f"node {i} still running after {timeout:.0f}s; log tail:\n{log_tail(logs[i])}")
-                time.sleep(0.25)
-            stop_all(scrapers, grace=5)
-            bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-            if bad:
-                raise RuntimeError(f"node {bad[0]} exited with {procs[bad[0]].returncode}; log tail:\n{log_tail(logs[bad[0]])}")
-            rows, per_node = [], []
-            for i in range(args.nodes):
-                row, cs = node_row(i, read_text(logs[i]), load_series(workdir / f"node{i}" / "metrics.jsonl"), args)
-                rows.append(row)
-                per_node.append(cs)
+            for k, mode in enumerate(args.overlap):
+                rows, table = run_mode(tb, mode, k, args, workdir, logroot / mode)
+                node_rows += rows
+                summary[mode] = {f: median(r[f] for r in rows) for f in SUMMARY_FIELDS}
+                summary[mode].update(resyncs=sum(r["resyncs"] for r in rows), aborts=sum(r["aborts"] for r in rows),
+                                     mislabeled=sum(r["mislabeled"] for r in rows))
+                rounds[mode] = table
+                notes += round_notes(mode, table)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    rounds = round_table(per_node)
-    summary = {k: median(r[k] for r in rows) for k in ("step_ms", "train_seconds", "wall_seconds", "wait_seconds",
-                                                      "utilization", "steady_utilization", "gather_wait_s", "allreduce_s")}
-    notes = [f"median utilization {summary['utilization']:.1%} (steady state, rounds 2..{args.rounds}: "
-             f"{summary['steady_utilization']:.1%}); train {summary['train_seconds']:.1f}s of {summary['wall_seconds']:.1f}s wall",
-             "round  commit_s  spread_s  allreduce_s  allreduce_max_s  members  identical  eval_loss"]
-    for r in rounds:
-        notes.append(f"{r['round']:5d}  {r['commit_s']:8.2f}  {r['spread_s']:8.3f}  {r['allreduce_s']:11.3f}  "
-                     f"{r['allreduce_max_s']:15.3f}  {r['members']:7d}  {'yes' if r['identical'] else 'NO':>9}  "
-                     f"{r['eval_loss']:9.4f}")
-    return {"rows": rows, "columns": COLUMNS, "notes": notes, "summary": summary, "rounds": rounds,
-            "config": {"nodes": args.nodes, "rate": args.rate, "rounds": args.rounds, "inner_steps": args.inner_steps,
-                       "model": args.model, "scrape_interval": SCRAPE_INTERVAL},
+    medians = [{"overlap": m, "node": "median", **s} for m, s in summary.items()]
+    head = [f"{m}: utilization {s['utilization']:.1%} over phases 2..{args.rounds} (train {s['train_seconds']:.1f}s "
+            f"of {s['wall_seconds']:.1f}s wall, gap {s['gap_s']:.3f}s, all-reduce {s['allreduce_s']:.3f}s); "
+            f"{s['resyncs']} resyncs, {s['aborts']} aborted attempts in all logs" for m, s in summary.items()]
+    return {"rows": medians + node_rows, "columns": COLUMNS, "notes": head + notes,
+            "summary": summary, "rounds": rounds,
+            "definition": f"utilization = sum of inner-step seconds of phases 2..{args.rounds} / (end of phase "
+                          f"{args.rounds} - start of phase 2), from each node's 'trained' log lines; medians over nodes",
+            "config": {"overlap": args.overlap, "nodes": args.nodes, "rate": args.rate, "rounds": args.rounds,
+                       "inner_steps": args.inner_steps, "model": args.model, "eval_every": args.rounds},
             "load_average": os.getloadavg()}
