@@ -223,7 +223,7 @@ class RoundProtocol:
         exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
         own = [self._contribute_own(group), group.all_reduced(deadline)]
         await _all_or_fail([asyncio.ensure_future(c) for c in [*own, *exchanges]], group)
-        vote = await asyncio.to_thread(digest, group.result, group.id)
+        vote = await _off_loop(digest, group.result, group.id)
         group.add_vote(group.index, vote)
         header = {"g": group.id, "digest": vote}
         others = [p for p in group.members if p != group.me]
@@ -249,7 +249,7 @@ class RoundProtocol:
     async def _send_pieces(self, group: Group, j: int, writer) -> None:
         """Our contribution to part j, piece by piece (encoded off the event loop)."""
         for k in range(len(group.pieces[j])):
-            payload = await asyncio.to_thread(group.encode_piece, j, k)
+            payload = await _off_loop(group.encode_piece, j, k)
             self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
         faults.checkpoint("reduce", group.round + 1, len(group.members))
 
@@ -268,7 +268,7 @@ class RoundProtocol:
             try:
                 if len(payload) != expected:
                     raise WireError("bad_size", f"averaged piece of {len(payload)} bytes, expected {expected}")
-                await asyncio.to_thread(group.place_piece, j, k, payload)
+                await _off_loop(group.place_piece, j, k, payload)
             except (WireError, RoundFailed) as e:
                 self.swarm.reject(e.reason, str(e))
                 raise
@@ -284,14 +284,14 @@ class RoundProtocol:
     async def _contribute_own(self, group: Group) -> None:
         """Our own slice of our part: encoded like everyone's, so we average what we send."""
         for k, (start, end) in enumerate(group.pieces[group.index]):
-            await asyncio.to_thread(group.encode_piece, group.index, k)
+            await _off_loop(group.encode_piece, group.index, k)
             await self._add_piece(group, group.index, k, group.sent[start:end])
 
     async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor) -> None:
         """Store a piece of our part; the contribution that completes piece k averages it."""
         if group.add_piece(sender, k, values):
             try:
-                group.set_reduced(k, await asyncio.to_thread(group.reduce_piece, k))
+                group.set_reduced(k, await _off_loop(group.reduce_piece, k))
             except RoundFailed as e:  # not the sender's fault: fail the round, not the stream
                 group.fail(e.reason, str(e))
 
@@ -421,7 +421,7 @@ class RoundProtocol:
                 _, payload = await self._read_payload(reader, group.piece_bytes(group.index, k), deadline)
                 if len(payload) != group.piece_bytes(group.index, k):
                     raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {group.piece_bytes(group.index, k)}")
-                values = await asyncio.to_thread(group.decode_piece, k, payload)
+                values = await _off_loop(group.decode_piece, k, payload)
                 await self._add_piece(group, index, k, values)
         except (WireError, RoundFailed) as e:
             group.fail(e.reason, str(e))
@@ -434,6 +434,15 @@ class RoundProtocol:
         else:
             group.add_vote(index, hfield(header, "digest", bytes))
         await _reply(writer, {"ok": True})
+
+
+_INLINE = os.environ.get("GONKA_INLINE") == "1"  # EXPERIMENT
+
+
+async def _off_loop(fn, *args):
+    if _INLINE:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 class _Behind(Exception):

@@ -49,6 +49,17 @@ def nic_tx_bytes(dev: str = "eth0") -> int:
     return 0
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one by default), all threads included."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -145,6 +156,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
             await abarrier(workdir, f"round{r}", args.index, args.peers, deadline)
             sent0 = metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0
             nic0 = nic_tx_bytes()
+            cpu0, p2pd0 = cpu_seconds(), cpu_seconds(swarm.p2pd_pid)
             t_enter = time.time()
             aborted = []
             # An aborted attempt is retried, as the node does; its time stays in this repeat's.
@@ -161,6 +173,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
             repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": rounds.last.allreduce_seconds,
                             "gather_s": rounds.last.gather_seconds, "members": len(rounds.last.members),
                             "sent_bytes": int(sent), "nic_tx_bytes": nic_tx_bytes() - nic0,
+                            "cpu_s": cpu_seconds() - cpu0, "p2pd_cpu_s": cpu_seconds(swarm.p2pd_pid) - p2pd0,
                             "digest": digest(result), "aborted": aborted})
         # Leave only once everyone is done: a member that closes early could fail a slow vote.
         await abarrier(workdir, "done", args.index, args.peers, deadline)
