@@ -32,6 +32,9 @@ heartbeats included). ``identical``: every peer ended with bit-identical
 values; ``within_tol``: the result's relative error to the exact mean is
 under the codec's tolerance (``TOLERANCE``). ``aborted``: gonka-node round
 attempts that aborted and were retried (their time counts in ``seconds``).
+``cpu_s`` / ``p2pd_cpu_s`` (gonka-node): CPU seconds one sync costs a peer's
+process and its p2pd (mean over peers): all peers share the machine's cores,
+so CPU is what a 2-core testbed runs out of before bandwidth.
 Every peer's log is kept in DIR/allreduce-logs/SYSTEM-CODEC/.
 """
 
@@ -52,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
 COLUMNS = ["system", "codec", "peers", "link_mbit", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
-           "seconds", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol", "aborted"]
+           "seconds", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
 # Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
 # Float codecs round twice (contribution, then average); block codecs lose up to half a level.
 TOLERANCE = {"fp32": 1e-6, "none": 1e-6, "fp16": 2e-3, "float16": 2e-3, "bf16": 1.5e-2,
@@ -215,6 +218,9 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         identical &= len({x["digest"] for x in per_peer}) == 1
         aborted += max(len(x.get("aborted", [])) for x in per_peer)
     sent = [x["sent_bytes"] for p in peers for x in p["repeats"]]
+    # CPU seconds per peer and sync (gonka-node only): the peer process, and its p2pd.
+    cpu = {key: [statistics.mean(p["repeats"][r][key] for p in peers) for r in range(repeats)]
+           for key in ("cpu_s", "p2pd_cpu_s") if all(key in p["repeats"][r] for p in peers for r in range(repeats))}
     nic = [x["nic_tx_bytes"] for p in peers for x in p["repeats"]]
     size = wire_size(system, codec, args.params)
     bound = 2 * (args.peers - 1) / args.peers * size / (rate_bps / 8)
@@ -236,6 +242,8 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         "rel_error": rel_error,
         "within_tol": rel_error <= TOLERANCE.get(codec, 1.0),
         "aborted": aborted,
+        "cpu_s": statistics.median(cpu["cpu_s"]) if "cpu_s" in cpu else None,
+        "p2pd_cpu_s": statistics.median(cpu["p2pd_cpu_s"]) if "p2pd_cpu_s" in cpu else None,
         "seconds_all": e2e,
         "allreduce_s_all": exchange,
         "codec_wire_bytes": size,

@@ -8,9 +8,12 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def test_resume_equals_never_stopping(nodes, tmp_path):
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_resume_equals_never_stopping(nodes, tmp_path, overlap):
+    # Overlapped, the checkpoint at a round boundary holds where the local copy started
+    # and the round not yet sent; the resumed node sends it and carries on identically.
     key = str(tmp_path / "identity.key")  # same peer id -> same data shard
-    base = ["--inner-steps", "6", "--identity", key]
+    base = ["--inner-steps", "6", "--identity", key, "--overlap", overlap]
 
     straight = nodes("straight", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c0"))
     assert straight.wait_exit(120) == 0, straight.log()[-3000:]
