@@ -91,6 +91,8 @@ class Codec(abc.ABC):
     # by one decode to exactly the values of the whole vector encoded at once
     # (block codecs: the block size), so a part may be streamed in pieces.
     align: int = 1
+    # True if ``decode(encode(x))`` is ``x`` bit for bit (fp32): nothing to feed back.
+    exact: bool = False
 
     @abc.abstractmethod
     def wire_bytes(self, numel: int) -> int:
@@ -117,6 +119,7 @@ class FloatCodec(Codec):
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name, self.dtype = name, dtype
+        self.exact = dtype == torch.float32
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
 
     def wire_bytes(self, numel: int) -> int:
@@ -243,7 +246,7 @@ class Nibble4Codec(BlockCodec):
     """
 
     # Subclasses give values16 (float32[16]: the unscaled value of each code,
-    # NaN for code 0) and _codes(scaled) (the code of each value, as float32).
+    # NaN for code 0) and _codes(scaled) (the code of each value, as float32 or uint8).
     values16: torch.Tensor
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
@@ -295,16 +298,24 @@ class FP4Codec(Nibble4Codec):
     _levels = torch.arange(-7.0, 8.0)
     values16 = torch.cat([torch.tensor([float("nan")]), _levels.sign() * torch.ldexp(torch.ones(15), _levels.abs().int() - 7)])
 
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
+        super().__init__(block_size, chunk_elems=chunk_elems)
+        # The code of a scaled value (|v| <= 1) depends only on its sign, its
+        # exponent and its first mantissa bit: the top 10 bits of its fp32
+        # pattern. The nearest power of two is 2^(exponent + bit) (the bit is
+        # set exactly from 1.5 * 2^k up, the midpoint to 2^(k+1)), i.e. level
+        # exponent + bit - 120, clamped to 0..7; from 2^-7 (the midpoint
+        # between 0 and 2^-6) up the level is at least 1. So encoding is one
+        # table look-up per value instead of a dozen elementwise passes.
+        top = torch.arange(1024)
+        sign, exponent, bit = top >> 9, (top >> 1) & 0xFF, top & 1
+        level = (exponent + bit - 120).clamp(0, 7)
+        level = torch.where(exponent >= 120, level.clamp(min=1), level)
+        self.code_table = torch.where(sign == 1, 8 - level, 8 + level).to(torch.uint8)
+
     def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
-        magnitude = scaled.abs()
-        # Adding half a mantissa carries into the exponent exactly when the
-        # value is at least 1.5 * 2^k, i.e. nearer to 2^(k+1) than to 2^k; the
-        # resulting biased exponent 120 + e is that of 2^(e - 7).
-        exponent = ((magnitude.view(torch.int32) + 0x00400000) >> 23).to(torch.float32)
-        level = exponent.sub_(120).clamp_(0, 7)
-        # From 2^-7 (exact midpoint between 0 and 2^-6) up, the level is at least 1.
-        level = torch.maximum(level, magnitude.mul_(128).floor_().clamp_(max=1))
-        return torch.copysign(level, scaled).add_(8)
+        top = scaled.view(torch.int32).bitwise_right_shift(22).bitwise_and_(0x3FF)
+        return self.code_table.index_select(0, top.view(-1)).view(scaled.shape)
 
 
 _ALL = (FloatCodec("fp32", torch.float32), FloatCodec("fp16", torch.float16), FloatCodec("bf16", torch.bfloat16),

@@ -79,7 +79,7 @@ class Group:
         self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
         self.result = torch.empty_like(self.flat)
         # What the receivers decode of our contribution, filled as pieces are encoded (error feedback).
-        self.sent = torch.empty_like(self.flat)
+        self.sent = self.flat if self.codec.exact else torch.empty_like(self.flat)
         self.weights: dict[int, float] = {}
         own = len(self.pieces[self.index])
         # Per piece of our part: sender index -> decoded values, until the piece is averaged.
@@ -124,7 +124,8 @@ class Group:
         """Our contribution to piece ``k`` of part ``index``, encoded; records what its receiver decodes."""
         start, end = self.pieces[index][k]
         payload = self.codec.encode(self.flat[start:end])
-        self.sent[start:end] = self.codec.decode(payload, end - start)
+        if not self.codec.exact:
+            self.sent[start:end] = self.codec.decode(payload, end - start)
         return payload
 
     def decode_piece(self, k: int, data: bytes) -> torch.Tensor:

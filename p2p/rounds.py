@@ -237,6 +237,7 @@ class RoundProtocol:
     async def _exchange(self, group: Group, j: int, deadline: float) -> None:
         """Stream our pieces of member j's part to j while j streams the averaged pieces back."""
         _, reader, writer = await self._open(group.members[j], "part")
+        _big(reader)
         try:
             header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel()}
             self.metrics.sent_bytes.inc(await write_frame(writer, header))
@@ -401,6 +402,7 @@ class RoundProtocol:
             group.fail(e.reason)
             raise
         deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
+        _big(reader)
         receiving = asyncio.ensure_future(self._receive_pieces(group, index, reader, deadline))
         try:
             for k in range(len(group.reduced)):
@@ -437,12 +439,23 @@ class RoundProtocol:
 
 
 _INLINE = os.environ.get("GONKA_INLINE") == "1"  # EXPERIMENT
+_ONE = os.environ.get("GONKA_ONE") == "1"  # EXPERIMENT
+_LIMIT = int(os.environ.get("GONKA_LIMIT", "0"))  # EXPERIMENT
+import concurrent.futures
+_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
 
 
 async def _off_loop(fn, *args):
     if _INLINE:
         return fn(*args)
+    if _ONE:
+        return await asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
     return await asyncio.to_thread(fn, *args)
+
+
+def _big(reader):
+    if _LIMIT:
+        reader._limit = _LIMIT
 
 
 class _Behind(Exception):

@@ -1,6 +1,7 @@
 """Benchmark `convergence`: DiLoCo vs data-parallel training vs one worker, in one process.
 
-All runs share the model, the data shards, AdamW and its schedule:
+All runs share the model, the data shards, AdamW and its schedule (--ddp-inner-lr
+may give the data-parallel baseline its own peak lr):
 - DiLoCo: k workers (the in-process simulator, the same code a swarm peer runs),
   H inner steps per round, token-weighted outer Nesterov step;
 - DDP: k workers whose gradients are averaged every step (same global batch and
@@ -14,6 +15,11 @@ Eval loss is measured on the fixed held-out split after every H steps.
 Bytes per worker are what each worker sends on the wire with a butterfly (or
 ring) all-reduce: 2(k-1)/k x encoded size of the parameters per sync (4 bytes
 per value in fp32); DiLoCo syncs once per round, DDP once per step.
+
+The defaults (H = 130, 8 rounds, outer lr 1.0, momentum 0.8) are where the
+compressed run meets its goals (within 1% of fp32 DiLoCo at >= 1000x fewer
+bytes than DDP). DiLoCo's goal of matching DDP within 2% is not met at this
+scale; the result's ``targets`` says which goals a run met.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+
+import torch
 
 from p2p.codecs import get_codec
 from p2p.compression import CompressingMember
@@ -30,37 +38,66 @@ from trainer.data import load_corpus
 from trainer.simulator import Simulator
 
 
+# Inner AdamW peak lr of every run: the trainer's default. Measured (800 steps, batch 4 x 64):
+# data-parallel training does better at 3e-3 (eval 1.887 vs 2.070), DiLoCo does worse (H=20:
+# 2.346 vs 2.172); --ddp-inner-lr 3e-3 gives the baseline its own, better lr.
+INNER_LR = 1e-3
+# Outer step of the DiLoCo runs. Measured at H=100, 8 rounds: lr 1.0 / momentum 0.8 reached 2.257,
+# the trainer's default 0.7 / 0.9 2.290, 1.0 / 0.9 2.281, 0.4 / 0.9 2.372.
+OUTER_LR = 1.0
+OUTER_MOMENTUM = 0.8
+
+
 def add_arguments(group) -> None:
     group.add_argument("--workers", type=int, default=4, help="k workers (default 4)")
-    group.add_argument("--inner-steps", type=int, default=0, help="H (default 100; 20 with --quick)")
-    group.add_argument("--rounds", type=int, default=0, help="outer rounds (default 20; 6 with --quick)")
-    group.add_argument("--batch-size", type=int, default=0, help="sequences per worker step (default 8; 4 with --quick)")
-    group.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default 128; 64 with --quick)")
+    group.add_argument("--inner-steps", type=int, default=0, help="H (default 130; 20 with --quick)")
+    group.add_argument("--rounds", type=int, default=0, help="outer rounds (default 8; 6 with --quick)")
+    group.add_argument("--batch-size", type=int, default=0, help="sequences per worker step (default 4)")
+    group.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default 64)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--codec", default="fp4", help="codec of the compressed DiLoCo runs (default fp4)")
+    group.add_argument("--inner-lr", type=float, default=INNER_LR, help=f"peak AdamW lr of every run (default {INNER_LR})")
+    group.add_argument("--ddp-inner-lr", type=float, default=0.0,
+                       help="peak AdamW lr of the data-parallel run (default: --inner-lr)")
+    group.add_argument("--warmup-steps", type=int, default=-1,
+                       help="inner lr warmup steps (default: a tenth of the run, at most 100)")
+    group.add_argument("--outer-lr", type=float, default=OUTER_LR, help=f"DiLoCo outer lr (default {OUTER_LR})")
+    group.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
+                       help=f"DiLoCo outer Nesterov momentum (default {OUTER_MOMENTUM})")
+    group.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads (default 1: the tiny model gains nothing from more, and on shared "
+                            "cores extra threads spin and slow every step down)")
 
 
 def _configs(args):
     steps = args.inner_steps * args.rounds
     data = DataConfig(batch_size=args.batch_size, seq_len=args.seq_len)
-    inner = InnerConfig(steps=args.inner_steps, lr=1e-3, warmup_steps=min(100, steps // 10), total_steps=steps)
+    warmup = args.warmup_steps if args.warmup_steps >= 0 else min(100, steps // 10)
+    inner = InnerConfig(steps=args.inner_steps, lr=args.inner_lr, warmup_steps=warmup, total_steps=steps)
     return ModelConfig(preset="tiny"), data, inner
 
 
 def _defaults(args) -> None:
     quick = args.quick
-    args.inner_steps = args.inner_steps or (20 if quick else 100)
-    args.rounds = args.rounds or (6 if quick else 20)
-    args.batch_size = args.batch_size or (4 if quick else 8)
-    args.seq_len = args.seq_len or (64 if quick else 128)
-    if min(args.workers, args.inner_steps, args.rounds, args.batch_size, args.seq_len) < 1:
-        raise SystemExit("convergence: --workers, --inner-steps, --rounds, --batch-size, --seq-len must be >= 1")
+    # H = 130 is the smallest H at which fp4 sends >= 1000x fewer bytes than data-parallel
+    # training (130 x 7.76); 8 rounds of batch 4 x 64 keep the full run near 10 minutes on 2 cores.
+    args.inner_steps = args.inner_steps or (20 if quick else 130)
+    args.rounds = args.rounds or (6 if quick else 8)
+    args.batch_size = args.batch_size or 4
+    args.seq_len = args.seq_len or 64
+    if min(args.workers, args.inner_steps, args.rounds, args.batch_size, args.seq_len, args.threads) < 1:
+        raise SystemExit("convergence: --workers, --inner-steps, --rounds, --batch-size, --seq-len, --threads must be >= 1")
 
 
 def run(args: argparse.Namespace) -> dict:
     _defaults(args)
     k, H, R = args.workers, args.inner_steps, args.rounds
     model, data, inner = _configs(args)
+    try:
+        outer = OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum)
+    except ValueError as e:
+        raise SystemExit(f"convergence: {e}") from None
+    torch.set_num_threads(args.threads)
     corpus = load_corpus([])
     tokens_per_worker_step = args.batch_size * args.seq_len
     curves: dict[str, list[tuple[int, float]]] = {}
@@ -78,16 +115,20 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  {name}: eval loss {records[-1]['eval_loss']:.4f} ({seconds[name]:.0f}s)", flush=True)
         return records[-1]["eval_loss"]
 
-    diloco_loss = diloco("diloco", k, OuterConfig())
-    compressed_loss = diloco(f"diloco_{codec.name}_ef", k, OuterConfig(),
+    diloco_loss = diloco("diloco", k, outer)
+    compressed_loss = diloco(f"diloco_{codec.name}_ef", k, outer,
                              wrap=lambda i, m: CompressingMember(m, codec, k, feedback=True))
-    no_feedback_loss = diloco(f"diloco_{codec.name}", k, OuterConfig(),
+    no_feedback_loss = diloco(f"diloco_{codec.name}", k, outer,
                               wrap=lambda i, m: CompressingMember(m, codec, k, feedback=False))
     # One worker, outer lr 1 and no momentum: plain AdamW (the outer step just adopts θ_local).
     single_loss = diloco("single", 1, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
 
     started = time.perf_counter()
-    ddp = DataParallel(k, model=model, data=data, inner=inner, corpus=corpus, seed=args.seed)
+    ddp_inner = inner
+    if args.ddp_inner_lr > 0:
+        ddp_inner = InnerConfig(steps=inner.steps, lr=args.ddp_inner_lr, warmup_steps=inner.warmup_steps,
+                                total_steps=inner.total_steps)
+    ddp = DataParallel(k, model=model, data=data, inner=ddp_inner, corpus=corpus, seed=args.seed)
     curves["ddp"] = []
     for r in range(R):
         ddp.train(H)
@@ -104,6 +145,14 @@ def run(args: argparse.Namespace) -> dict:
         "inner_steps": H,
         "rounds": R,
         "codec": codec.name,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "inner_lr": inner.lr,
+        "ddp_inner_lr": ddp_inner.lr,
+        "warmup_steps": inner.warmup_steps,
+        "outer_lr": outer.lr,
+        "outer_momentum": outer.momentum,
+        "outer_nesterov": outer.nesterov,
         "parameters": params,
         "tokens": R * H * k * tokens_per_worker_step,
         "diloco_eval_loss": diloco_loss,
@@ -117,8 +166,19 @@ def run(args: argparse.Namespace) -> dict:
         "diloco_compressed_bytes_per_worker": int(per_sync_compressed * R),
         "diloco_vs_ddp_loss": diloco_loss / ddp_loss - 1,
         "compressed_vs_uncompressed_loss": compressed_loss / diloco_loss - 1,
+        "compressed_vs_ddp_loss": compressed_loss / ddp_loss - 1,
+        "no_feedback_vs_uncompressed_loss": no_feedback_loss / diloco_loss - 1,
         "ddp_vs_diloco_bytes": H,
         "ddp_vs_compressed_bytes": per_sync * H / per_sync_compressed,
+        # The project's goals, checked on this run's figures.
+        "targets": {
+            "diloco_loss_within_2pct_of_ddp": diloco_loss <= 1.02 * ddp_loss,
+            "diloco_100x_fewer_bytes_than_ddp": H >= 100,
+            "compressed_loss_within_1pct_of_diloco": compressed_loss <= 1.01 * diloco_loss,
+            "compressed_loss_within_2pct_of_ddp": compressed_loss <= 1.02 * ddp_loss,
+            "compressed_100x_fewer_bytes_than_ddp": per_sync * H / per_sync_compressed >= 100,
+            "compressed_1000x_fewer_bytes_than_ddp": per_sync * H / per_sync_compressed >= 1000,
+        },
         "seconds": seconds,
         "curves": curves,
     }
@@ -131,6 +191,9 @@ def run(args: argparse.Namespace) -> dict:
         {"run": f"diloco {codec.name}, no feedback", "eval_loss": no_feedback_loss, "tokens": result["tokens"],
          "bytes_per_worker": result["diloco_compressed_bytes_per_worker"]},
     ]
+    for row in result["rows"]:
+        row["vs_ddp"] = f"{row['eval_loss'] / ddp_loss - 1:+.1%}"
+        row["ddp_bytes_ratio"] = f"{result['ddp_bytes_per_worker'] / row['bytes_per_worker']:.0f}x" if row["bytes_per_worker"] else "-"
     _plot(curves, Path(args.out) / "convergence.png", k, H)
     return result
 

@@ -27,6 +27,22 @@ the median of the all-reduce seconds of rounds 1..R from the commit lines,
 ``eval_loss`` after round R, ``resyncs`` and ``aborts`` counted in the log.
 One row per mode holds the medians over nodes (``node`` = ``median``).
 
+All nodes start at once: node 0 with an identity made up front, so the others
+know its address to bootstrap through, and a 2 s head start (one that dials
+it before it listens is started again). Node 0 still trains while the others
+finish starting (several seconds on a busy machine). With overlap off it waits
+for them at the end of phase 1; overlapped it runs one phase further and
+waits at the end of phase 2, inside the window: its row shows that start-up
+skew, and the median over nodes is the number to read. A re-sync would throw
+a phase's work away and shift the count of phases: the ``resyncs`` column
+tells such a run apart.
+
+Default settings (tiny model, 20 Mbit/s, 80 inner steps): the tiny model's
+3.4 MB fp32 pseudo-gradient takes ~2.6 s to all-reduce among 4 hosts at
+20 Mbit/s, a fifth to a third of a round on a shared 2-core machine, so the
+wait with overlap off is plain to see; the small model (100 MB) would need
+~16 s per all-reduce even at 100 Mbit/s and too few inner steps per minute.
+
 The notes hold a per-round table for each mode (medians over nodes): the
 phase's inner-step seconds, the gap after it, the round's all-reduce (median
 and max), when the round committed (from the first phase's start), how far
@@ -37,6 +53,7 @@ parameters. The node logs are kept in ``OUT/utilization-logs/MODE/``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -46,16 +63,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.swarmbench_common import (_STAMP, RESYNC, SCRIPTS, aborted_attempts, commits, listening_address,
-                                          log_tail, median, node_argv, read_text, stamp_to_unix, stop_all)
+from benchmarks.swarmbench_common import (_STAMP, RESYNC, SCRIPTS, aborted_attempts, commits, log_tail, median,
+                                          node_argv, read_text, stamp_to_unix, stop_all)
+from trainer.config import OVERLAP_MODES
 
 TRAINED = re.compile(_STAMP + r"INFO gonka\.node: trained round=(\d+) steps=(\d+) seconds=([0-9.]+) loss=(\S+)", re.M)
 COLUMNS = ["overlap", "node", "utilization", "train_seconds", "wall_seconds", "wait_seconds", "gap_s", "step_ms",
            "allreduce_s", "eval_loss", "resyncs", "aborts"]
 SUMMARY_FIELDS = ["utilization", "train_seconds", "wall_seconds", "wait_seconds", "gap_s", "step_ms", "allreduce_s",
                   "eval_loss"]
-OVERLAP_MODES = ("off", "delayed", "eager")  # as trainer.config.OVERLAP_MODES
 PORT = 31337
+# Head start of node 0: the others dial it about this long after its p2pd listens (their
+# start-up is the same as its own); one that dials too early is simply started again.
+STAGGER = 2.0
+LISTENING = re.compile(r"^listening on ", re.M)
 
 
 def modes_arg(text: str) -> list[str]:
@@ -71,9 +92,9 @@ def add_arguments(group) -> None:
                        help="overlap modes to compare, one swarm run each, in this order (default off,eager)")
     group.add_argument("--nodes", type=int, default=4, help="testbed hosts, one node each (default 4; min_peers = nodes)")
     group.add_argument("--rate", default="20mbit",
-                       help="every host's link, both ways (default 20mbit: the tiny model's all-reduce takes ~2 s)")
+                       help="every host's link, both ways (default 20mbit: the tiny model's all-reduce takes ~2.6 s)")
     group.add_argument("--rounds", type=int, help="outer rounds R (default 8; 4 with --quick)")
-    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 100; 40 with --quick)")
+    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 80; 30 with --quick)")
     group.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="model preset (default tiny)")
     group.add_argument("--run-timeout", type=float, help="seconds one mode's run may take (default 120 + 30 s per round)")
     group.add_argument("--prefix", default="gsj", help="testbed name prefix (default gsj)")
@@ -103,12 +124,19 @@ def node_summary(log: str, rounds: int) -> tuple[dict, list[dict], list[dict]]:
     gaps = [b["start"] - a["end"] for a, b in zip(window, window[1:])]
     row = {"utilization": train / wall if wall > 0 else None, "train_seconds": train, "wall_seconds": wall,
            "wait_seconds": wall - train, "gap_s": median(gaps), "step_ms": 1000 * train / sum(p["steps"] for p in window),
-           "allreduce_s": median(c["allreduce"] for c in cs), "eval_loss": cs[-1]["eval_loss"],
+           "allreduce_s": median(c["allreduce"] for c in cs), "eval_loss": final_eval_loss(cs),
            "resyncs": len(RESYNC.findall(log)), "aborts": aborted_attempts(log),
            # Phases whose logged round is not their place in the log (the label is the node's round + 1
            # when the phase ends, so overlapped it lags when the average arrives after the phase).
            "mislabeled": sum(p["round"] != k for k, p in enumerate(ps, 1))}
     return row, ps, cs
+
+
+def final_eval_loss(cs: list[dict]) -> float | None:
+    """The last evaluated loss in the commit lines (None if none: overlapped, evaluation runs after
+    the commit line; run_mode then reads it from the status file)."""
+    losses = [c["eval_loss"] for c in cs if c["eval_loss"] == c["eval_loss"]]  # x != x: NaN
+    return losses[-1] if losses else None
 
 
 def round_table(per_node: list[tuple[list[dict], list[dict]]]) -> list[dict]:
@@ -139,29 +167,47 @@ def round_notes(mode: str, table: list[dict]) -> list[str]:
 
 # ---- running one mode ---------------------------------------------------------------------
 
-def run_mode(tb, mode: str, k: int, args, workdir: Path, logdir: Path) -> tuple[list[dict], list[dict]]:
-    """One swarm run with ``--overlap mode`` on testbed tb: (per-node rows, round table)."""
+def run_mode(tb, mode: str, k: int, args, workdir: Path, logdir: Path, identity: tuple[Path, str]) -> tuple[list[dict], list[dict]]:
+    """One swarm run with ``--overlap mode`` on testbed tb: (per-node rows, round table).
+
+    identity = (key file, peer id) of node 0, so that every node can start at once with
+    node 0's address as its bootstrap; waiting for node 0 to listen first would let it train
+    alone for the others' whole start-up (tens of seconds on a busy 2-core machine)."""
     run_id = f"util{os.getpid()}{mode}"
     port = PORT + k  # a fresh port per mode: the previous run's sockets may linger
-    procs, logs, bootstrap = [], [], None
+    bootstrap = f"/ip4/{tb.host_ip(0)}/tcp/{port}/p2p/{identity[1]}"
     timeout = args.run_timeout or 120 + 30 * args.rounds
+    procs, logs, restarts = [], [], 0
+
+    def start(i: int):
+        argv = node_argv(ip=tb.host_ip(i), port=port, run_id=run_id, workdir=logs[i].parent, model=args.model,
+                         inner_steps=args.inner_steps, min_peers=args.nodes, max_rounds=args.rounds,
+                         bootstrap=bootstrap if i else None,
+                         extra=["--overlap", mode, "--set", f"data.eval_every={args.rounds}",
+                                *(["--identity", str(identity[0])] if i == 0 else [])])
+        with open(logs[i], "wb") as f:
+            return tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, cwd=logs[i].parent)
+
     try:
         for i in range(args.nodes):
-            ndir = workdir / mode / f"node{i}"
-            ndir.mkdir(parents=True)
-            logs.append(ndir / "node.log")
-            argv = node_argv(ip=tb.host_ip(i), port=port, run_id=run_id, workdir=ndir, model=args.model,
-                             inner_steps=args.inner_steps, min_peers=args.nodes, max_rounds=args.rounds,
-                             bootstrap=bootstrap,
-                             extra=["--overlap", mode, "--set", f"data.eval_every={args.rounds}"])
-            with open(logs[i], "wb") as f:
-                procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, cwd=ndir))
+            (workdir / mode / f"node{i}").mkdir(parents=True)
+            logs.append(workdir / mode / f"node{i}" / "node.log")
+            procs.append(start(i))
             if i == 0:
-                bootstrap = listening_address(logs[0], procs[0], 90)
-                if bootstrap is None:
-                    raise RuntimeError(f"[{mode}] node 0 never listened; log tail:\n{log_tail(logs[0])}")
+                time.sleep(STAGGER)
+        # A node that dials node 0 before it listens exits at once: start it again.
+        deadline = time.monotonic() + 120
+        while not all(LISTENING.search(read_text(log)) for log in logs):
+            for i in range(1, args.nodes):
+                if procs[i].poll() not in (None, 0) and not LISTENING.search(read_text(logs[i])) and restarts < 5 * args.nodes:
+                    restarts += 1
+                    procs[i] = start(i)
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                i = next((n for n, log in enumerate(logs) if not LISTENING.search(read_text(log))), 0)
+                raise RuntimeError(f"[{mode}] node {i} never listened; log tail:\n{log_tail(logs[i])}")
+            time.sleep(0.2)
         print(f"utilization [{mode}]: {args.nodes} nodes x {args.rounds} rounds of {args.inner_steps} inner steps "
-              f"at {args.rate} ...", file=sys.stderr, flush=True)
+              f"at {args.rate} ({restarts} early starts repeated) ...", file=sys.stderr, flush=True)
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -182,7 +228,9 @@ def run_mode(tb, mode: str, k: int, args, workdir: Path, logdir: Path) -> tuple[
             row, ps, cs = node_summary(read_text(log), args.rounds)
         except ValueError as e:
             raise RuntimeError(f"[{mode}] node {i}: {e}; log tail:\n{log_tail(log)}") from None
-        rows.append({"overlap": mode, "node": i, **row})
+        if row["eval_loss"] is None:
+            row["eval_loss"] = json.loads(read_text(log.parent / "status.json") or "{}").get("eval_loss")
+        rows.append({"overlap": mode, "node": i, **row, "restarts": restarts})
         per_node.append((ps, cs))
     return rows, round_table(per_node)
 
@@ -192,21 +240,26 @@ def run(args: argparse.Namespace) -> dict:
     import netbed
 
     args.rounds = args.rounds or (4 if args.quick else 8)
-    args.inner_steps = args.inner_steps or (40 if args.quick else 100)
+    args.inner_steps = args.inner_steps or (30 if args.quick else 80)
     if args.nodes < 2 or args.rounds < 3 or args.inner_steps < 1:
         raise ValueError("--nodes must be >= 2, --rounds >= 3 (phases 2..R need two), --inner-steps >= 1")
     netbed.parse_rate(args.rate)
     logroot = args.out / "utilization-logs"
     workdir = Path(tempfile.mkdtemp(prefix="utilization-"))
     node_rows, summary, rounds, notes = [], {}, {}, []
+    from p2p.identity import generate_identity, peer_id_from_key
+
+    key = generate_identity()
+    (workdir / "node0.key").write_bytes(key)
+    identity = (workdir / "node0.key", peer_id_from_key(key))
     try:
         with netbed.Testbed(args.nodes, rate=args.rate, prefix=f"{args.prefix}{os.getpid() % 100000}u") as tb:
             for k, mode in enumerate(args.overlap):
-                rows, table = run_mode(tb, mode, k, args, workdir, logroot / mode)
+                rows, table = run_mode(tb, mode, k, args, workdir, logroot / mode, identity)
                 node_rows += rows
                 summary[mode] = {f: median(r[f] for r in rows) for f in SUMMARY_FIELDS}
                 summary[mode].update(resyncs=sum(r["resyncs"] for r in rows), aborts=sum(r["aborts"] for r in rows),
-                                     mislabeled=sum(r["mislabeled"] for r in rows))
+                                     mislabeled=sum(r["mislabeled"] for r in rows), restarts=rows[0]["restarts"])
                 rounds[mode] = table
                 notes += round_notes(mode, table)
     finally:
@@ -216,6 +269,9 @@ def run(args: argparse.Namespace) -> dict:
     head = [f"{m}: utilization {s['utilization']:.1%} over phases 2..{args.rounds} (train {s['train_seconds']:.1f}s "
             f"of {s['wall_seconds']:.1f}s wall, gap {s['gap_s']:.3f}s, all-reduce {s['allreduce_s']:.3f}s); "
             f"{s['resyncs']} resyncs, {s['aborts']} aborted attempts in all logs" for m, s in summary.items()]
+    head += [f"{m}: {s['mislabeled']} 'trained' lines carry a round other than their place in the log (the node "
+             f"logs its round + 1 at the end of a phase; overlapped, that lags while the average is still out)"
+             for m, s in summary.items() if s["mislabeled"]]
     return {"rows": medians + node_rows, "columns": COLUMNS, "notes": head + notes,
             "summary": summary, "rounds": rounds,
             "definition": f"utilization = sum of inner-step seconds of phases 2..{args.rounds} / (end of phase "

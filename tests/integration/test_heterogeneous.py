@@ -29,11 +29,11 @@ def pair(nodes, *rule):
 def test_wall_clock_rounds_let_the_fast_host_do_more_steps(nodes):
     fast, slow = pair(nodes, "--set", "inner.round_seconds=1.5")
     for n in (fast, slow):
-        n.wait_round(5, timeout=200)
+        n.wait_round(4, timeout=200)
     stop_and_check_consistent([fast, slow])
     f, s = trained(fast), trained(slow)
-    both = sorted(set(f) & set(s) - {1})[:4]  # round 1 waits for the second node to start
-    assert len(both) >= 3, (f, s)
+    both = sorted(set(f) & set(s) - {1})[:3]  # round 1 waits for the second node to start
+    assert len(both) >= 2, (f, s)
     for r in both:
         # Both trained for the target (a step may run past it), neither waited on the other's H.
         assert 1.45 <= f[r][1] < 3.0 and 1.45 <= s[r][1] < 3.0, (r, f[r], s[r])
@@ -44,11 +44,11 @@ def test_token_budget_is_shared_by_the_swarm(nodes):
     budget = 40_000  # about 100 steps of the fast host alone
     fast, slow = pair(nodes, "--set", f"inner.round_tokens={budget}")
     for n in (fast, slow):
-        n.wait_round(5, timeout=200)
+        n.wait_round(4, timeout=200)
     stop_and_check_consistent([fast, slow])
     f, s = trained(fast), trained(slow)
-    both = sorted(set(f) & set(s) - {1})[:4]
-    assert len(both) >= 3, (f, s)
+    both = sorted(set(f) & set(s) - {1})[:3]
+    assert len(both) >= 2, (f, s)
     for r in both:
         total = f[r][0] * FAST_BATCH * SEQ + s[r][0] * SLOW_BATCH * SEQ
         # Together they reach the budget; each alone would have trained up to it (2x).

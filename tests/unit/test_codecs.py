@@ -94,6 +94,25 @@ def test_fp4_rounds_to_nearest_ties_away_from_zero():
     assert round_trip("fp4", x).tolist() == expected
 
 
+def test_fp4_table_encoding_is_nearest_grid_point_for_every_kind_of_value():
+    # Reference: the nearest of ±{0, 2^-6, ..., 1} times absmax, ties away from zero, in float64.
+    gen = torch.Generator().manual_seed(4)
+    mids = torch.tensor([2.0**-7] + [1.5 * 2.0**-k for k in range(1, 7)])
+    edges = torch.cat([mids, torch.nextafter(mids, torch.zeros(1)), torch.nextafter(mids, torch.ones(1))])
+    magnitudes = torch.cat([edges, torch.rand(20_000, generator=gen),
+                            2.0 ** -torch.randint(0, 150, (5_000,), generator=gen).float(), torch.tensor([0.0, 1e-45])])
+    x = torch.cat([torch.tensor([1.0]), magnitudes, -magnitudes])  # absmax 1: one scale for all
+    codec = FP4Codec(block_size=2 * (x.numel() // 2 + 1))
+    y = codec.decode(codec.encode(x), x.numel()).double()
+    grid = torch.tensor([0.0] + [2.0**-k for k in range(6, -1, -1)], dtype=torch.float64)
+    m = x.double().abs().unsqueeze(1)
+    distance = (m - grid).abs()
+    best = distance.min(dim=1, keepdim=True).values
+    nearest = torch.where(distance == best, grid, -1.0).max(dim=1).values  # a tie goes to the larger
+    assert torch.equal(y.abs(), nearest)
+    assert torch.equal(torch.signbit(y) & (y != 0), torch.signbit(x) & (y != 0))
+
+
 def test_block_layout_matches_the_documented_format():
     numel = 2 * BLOCK + 7  # a short odd last block: its last byte carries a pad nibble
     x = gaussian(numel)
