@@ -11,6 +11,13 @@ the attempt on every member that hears of it: they apply nothing and retry
 with the survivors. A peer that finds the swarm already past its round
 returns ``behind``, and the node re-syncs its state from peers.
 
+On the wire, member i opens one ``part`` stream to every other member j and
+sends a header (group, weight, sizes) and then its pieces of part j; on the
+same stream j sends back each averaged piece of part j as soon as every
+member's copy of that piece is in, or ``{"ok": false, "reason": ...}`` once
+the attempt failed. Both directions run at once, so averaged pieces travel
+while later pieces are still arriving.
+
 Every request is checked against the group's member list; libp2p
 authenticates the remote peer id, so a stranger cannot contribute or vote.
 """
@@ -18,6 +25,7 @@ authenticates the remote peer id, so a stranger cannot contribute or vote.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
@@ -237,7 +245,6 @@ class RoundProtocol:
     async def _exchange(self, group: Group, j: int, deadline: float) -> None:
         """Stream our pieces of member j's part to j while j streams the averaged pieces back."""
         _, reader, writer = await self._open(group.members[j], "part")
-        _big(reader)
         try:
             header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel()}
             self.metrics.sent_bytes.inc(await write_frame(writer, header))
@@ -402,16 +409,16 @@ class RoundProtocol:
             group.fail(e.reason)
             raise
         deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
-        _big(reader)
         receiving = asyncio.ensure_future(self._receive_pieces(group, index, reader, deadline))
         try:
-            for k in range(len(group.reduced)):
-                data = await group.reduced_piece(k, deadline)
-                self.metrics.sent_bytes.inc(await write_frame(writer, {}, data))
-        except RoundFailed as e:
+            async with asyncio.timeout_at(deadline):  # also bounds writes to a requester that stopped reading
+                for k in range(len(group.reduced)):
+                    data = await group.reduced_piece(k, deadline)
+                    self.metrics.sent_bytes.inc(await write_frame(writer, {}, data))
+        except (RoundFailed, TimeoutError) as e:
             if receiving.done() and not receiving.cancelled() and receiving.exception() is not None:
                 raise receiving.exception() from None  # the sender's own input failed the round: count it
-            await _reply(writer, {"ok": False, "reason": e.reason})
+            await _reply(writer, {"ok": False, "reason": getattr(e, "reason", "timeout")})
         finally:
             receiving.cancel()
             await asyncio.gather(receiving, return_exceptions=True)
@@ -420,9 +427,10 @@ class RoundProtocol:
         """Member ``index``'s pieces of our part; anything wrong fails the round at once."""
         try:
             for k in range(len(group.reduced)):
-                _, payload = await self._read_payload(reader, group.piece_bytes(group.index, k), deadline)
-                if len(payload) != group.piece_bytes(group.index, k):
-                    raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {group.piece_bytes(group.index, k)}")
+                expected = group.piece_bytes(group.index, k)
+                _, payload = await self._read_payload(reader, expected, deadline)
+                if len(payload) != expected:
+                    raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {expected}")
                 values = await _off_loop(group.decode_piece, k, payload)
                 await self._add_piece(group, index, k, values)
         except (WireError, RoundFailed) as e:
@@ -438,24 +446,14 @@ class RoundProtocol:
         await _reply(writer, {"ok": True})
 
 
-_INLINE = os.environ.get("GONKA_INLINE") == "1"  # EXPERIMENT
-_ONE = os.environ.get("GONKA_ONE") == "1"  # EXPERIMENT
-_LIMIT = int(os.environ.get("GONKA_LIMIT", "0"))  # EXPERIMENT
-import concurrent.futures
-_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
+# One worker thread runs the rounds' tensor work (encode, decode, average, digest): the
+# event loop keeps every stream moving meanwhile, and pieces never compete with each
+# other for the cores (inside each op torch still uses its intra-op threads).
+_TENSOR_WORK = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gonka-allreduce")
 
 
 async def _off_loop(fn, *args):
-    if _INLINE:
-        return fn(*args)
-    if _ONE:
-        return await asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
-    return await asyncio.to_thread(fn, *args)
-
-
-def _big(reader):
-    if _LIMIT:
-        reader._limit = _LIMIT
+    return await asyncio.get_running_loop().run_in_executor(_TENSOR_WORK, fn, *args)
 
 
 class _Behind(Exception):

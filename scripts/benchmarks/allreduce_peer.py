@@ -305,12 +305,7 @@ def main() -> int:
     x = make_input(args.seed + args.index, args.params)
     out = Path(args.workdir) / f"peer{args.index}.json"
     started = time.time()
-    if args.mode == "gonka" and os.environ.get("GONKA_PROFILE"):  # EXPERIMENT
-        import cProfile
-        prof = cProfile.Profile()
-        result = prof.runcall(asyncio.run, run_gonka(args, x, deadline))
-        prof.dump_stats(f"{os.environ['GONKA_PROFILE']}.{args.index}")
-    elif args.mode == "gonka":
+    if args.mode == "gonka":
         result = asyncio.run(run_gonka(args, x, deadline))
     elif args.mode == "hivemind":
         result = run_hivemind(args, x, deadline)

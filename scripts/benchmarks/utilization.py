@@ -28,16 +28,17 @@ the median of the all-reduce seconds of rounds 1..R from the commit lines,
 One row per mode holds the medians over nodes (``node`` = ``median``).
 
 All nodes start at once: node 0 with an identity made up front, so the others
-know its address to bootstrap through, and a 2 s head start (one that dials
+know its address to bootstrap through, and a 3 s head start (one that dials
 it before it listens is started again). Node 0 still trains while the others
 finish starting (several seconds on a busy machine). With overlap off it waits
 for them at the end of phase 1; overlapped it runs one phase further and
 waits at the end of phase 2, inside the window: its row shows that start-up
-skew, and the median over nodes is the number to read. A re-sync would throw
+skew, and the median over nodes is the number to read; ``steady_utilization``
+is the same ratio over phases 3..R, which leaves that skew out. A re-sync would throw
 a phase's work away and shift the count of phases: the ``resyncs`` column
 tells such a run apart.
 
-Default settings (tiny model, 20 Mbit/s, 80 inner steps): the tiny model's
+Default settings (tiny model, 20 Mbit/s, 60 inner steps): the tiny model's
 3.4 MB fp32 pseudo-gradient takes ~2.6 s to all-reduce among 4 hosts at
 20 Mbit/s, a fifth to a third of a round on a shared 2-core machine, so the
 wait with overlap off is plain to see; the small model (100 MB) would need
@@ -68,14 +69,13 @@ from benchmarks.swarmbench_common import (_STAMP, RESYNC, SCRIPTS, aborted_attem
 from trainer.config import OVERLAP_MODES
 
 TRAINED = re.compile(_STAMP + r"INFO gonka\.node: trained round=(\d+) steps=(\d+) seconds=([0-9.]+) loss=(\S+)", re.M)
-COLUMNS = ["overlap", "node", "utilization", "train_seconds", "wall_seconds", "wait_seconds", "gap_s", "step_ms",
-           "allreduce_s", "eval_loss", "resyncs", "aborts"]
-SUMMARY_FIELDS = ["utilization", "train_seconds", "wall_seconds", "wait_seconds", "gap_s", "step_ms", "allreduce_s",
-                  "eval_loss"]
+SUMMARY_FIELDS = ["utilization", "steady_utilization", "train_seconds", "wall_seconds", "wait_seconds", "gap_s",
+                  "step_ms", "allreduce_s", "eval_loss"]
+COLUMNS = ["overlap", "node", *SUMMARY_FIELDS, "resyncs", "aborts"]
 PORT = 31337
 # Head start of node 0: the others dial it about this long after its p2pd listens (their
 # start-up is the same as its own); one that dials too early is simply started again.
-STAGGER = 2.0
+STAGGER = 3.0
 LISTENING = re.compile(r"^listening on ", re.M)
 
 
@@ -94,7 +94,7 @@ def add_arguments(group) -> None:
     group.add_argument("--rate", default="20mbit",
                        help="every host's link, both ways (default 20mbit: the tiny model's all-reduce takes ~2.6 s)")
     group.add_argument("--rounds", type=int, help="outer rounds R (default 8; 4 with --quick)")
-    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 80; 30 with --quick)")
+    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 60; 30 with --quick)")
     group.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="model preset (default tiny)")
     group.add_argument("--run-timeout", type=float, help="seconds one mode's run may take (default 120 + 30 s per round)")
     group.add_argument("--prefix", default="gsj", help="testbed name prefix (default gsj)")
@@ -122,7 +122,11 @@ def node_summary(log: str, rounds: int) -> tuple[dict, list[dict], list[dict]]:
     train = sum(p["seconds"] for p in window)
     wall = window[-1]["end"] - window[0]["start"]
     gaps = [b["start"] - a["end"] for a, b in zip(window, window[1:])]
-    row = {"utilization": train / wall if wall > 0 else None, "train_seconds": train, "wall_seconds": wall,
+    steady = window[1:]  # phases 3..R: overlapped, the start-up skew may land after phase 2
+    steady_wall = steady[-1]["end"] - steady[0]["start"]
+    row = {"utilization": train / wall if wall > 0 else None,
+           "steady_utilization": sum(p["seconds"] for p in steady) / steady_wall if steady_wall > 0 else None,
+           "train_seconds": train, "wall_seconds": wall,
            "wait_seconds": wall - train, "gap_s": median(gaps), "step_ms": 1000 * train / sum(p["steps"] for p in window),
            "allreduce_s": median(c["allreduce"] for c in cs), "eval_loss": final_eval_loss(cs),
            "resyncs": len(RESYNC.findall(log)), "aborts": aborted_attempts(log),
@@ -167,7 +171,8 @@ def round_notes(mode: str, table: list[dict]) -> list[str]:
 
 # ---- running one mode ---------------------------------------------------------------------
 
-def run_mode(tb, mode: str, k: int, args, workdir: Path, logdir: Path, identity: tuple[Path, str]) -> tuple[list[dict], list[dict]]:
+def run_mode(tb, mode: str, k: int, args, workdir: Path, logdir: Path,
+             identity: tuple[Path, str]) -> tuple[list[dict], list[dict]]:
     """One swarm run with ``--overlap mode`` on testbed tb: (per-node rows, round table).
 
     identity = (key file, peer id) of node 0, so that every node can start at once with
@@ -199,7 +204,8 @@ def run_mode(tb, mode: str, k: int, args, workdir: Path, logdir: Path, identity:
         deadline = time.monotonic() + 120
         while not all(LISTENING.search(read_text(log)) for log in logs):
             for i in range(1, args.nodes):
-                if procs[i].poll() not in (None, 0) and not LISTENING.search(read_text(logs[i])) and restarts < 5 * args.nodes:
+                failed = procs[i].poll() not in (None, 0) and not LISTENING.search(read_text(logs[i]))
+                if failed and restarts < 5 * args.nodes:
                     restarts += 1
                     procs[i] = start(i)
             if procs[0].poll() is not None or time.monotonic() > deadline:
@@ -240,9 +246,9 @@ def run(args: argparse.Namespace) -> dict:
     import netbed
 
     args.rounds = args.rounds or (4 if args.quick else 8)
-    args.inner_steps = args.inner_steps or (30 if args.quick else 80)
-    if args.nodes < 2 or args.rounds < 3 or args.inner_steps < 1:
-        raise ValueError("--nodes must be >= 2, --rounds >= 3 (phases 2..R need two), --inner-steps >= 1")
+    args.inner_steps = args.inner_steps or (30 if args.quick else 60)
+    if args.nodes < 2 or args.rounds < 4 or args.inner_steps < 1:
+        raise ValueError("--nodes must be >= 2, --rounds >= 4 (phases 2..R and 3..R need two each), --inner-steps >= 1")
     netbed.parse_rate(args.rate)
     logroot = args.out / "utilization-logs"
     workdir = Path(tempfile.mkdtemp(prefix="utilization-"))
@@ -266,7 +272,8 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
     medians = [{"overlap": m, "node": "median", **s} for m, s in summary.items()]
-    head = [f"{m}: utilization {s['utilization']:.1%} over phases 2..{args.rounds} (train {s['train_seconds']:.1f}s "
+    head = [f"{m}: utilization {s['utilization']:.1%} over phases 2..{args.rounds}, {s['steady_utilization']:.1%} over "
+            f"3..{args.rounds} (train {s['train_seconds']:.1f}s "
             f"of {s['wall_seconds']:.1f}s wall, gap {s['gap_s']:.3f}s, all-reduce {s['allreduce_s']:.3f}s); "
             f"{s['resyncs']} resyncs, {s['aborts']} aborted attempts in all logs" for m, s in summary.items()]
     head += [f"{m}: {s['mislabeled']} 'trained' lines carry a round other than their place in the log (the node "

@@ -62,6 +62,27 @@ def test_summary_takes_last_in_to_last_out_and_the_median():
     assert row["wire_bytes_per_peer"] == 6000 and row["identical"] and row["within_tol"]
 
 
+def test_summary_reports_cpu_seconds_when_peers_measured_them():
+    peers = [fake_peer([0.0, 10.0], [1.0, 12.0], "d"), fake_peer([0.0, 10.0], [1.0, 12.0], "d")]
+    row = allreduce.summarize("gloo", "fp32", peers, namespace(), 100_000_000)
+    assert row["cpu_s"] is None and row["p2pd_cpu_s"] is None
+    for p, cpu in zip(peers, ([1.0, 3.0], [2.0, 5.0])):
+        for r, c in zip(p["repeats"], cpu):
+            r.update(cpu_s=c, p2pd_cpu_s=c / 2)
+    row = allreduce.summarize("gonka-node", "fp32", peers, namespace(), 100_000_000)
+    assert row["cpu_s"] == 2.75 and row["p2pd_cpu_s"] == 1.375  # median over repeats of the mean over peers
+    assert "cpu_s" in allreduce.COLUMNS
+
+
+def test_peer_measures_cpu_seconds_of_itself_and_of_a_child():
+    import os
+    import time
+
+    assert allreduce_peer.cpu_seconds() == pytest.approx(time.process_time(), abs=0.05)
+    assert allreduce_peer.cpu_seconds(os.getpid()) >= 0.0
+    assert allreduce_peer.cpu_seconds(2**22 + 12345) == 0.0  # a process that does not exist
+
+
 def test_summary_flags_different_results_and_large_errors():
     peers = [fake_peer([0.0], [1.0], "a"), fake_peer([0.0], [1.0], "b", rel_error=0.5)]
     row = allreduce.summarize("hivemind", "none", peers, namespace(repeats=1), 100_000_000)

@@ -56,6 +56,7 @@ def test_off_window_is_phases_2_to_r_and_leaves_out_the_start_up_skew():
     assert row["wall_seconds"] == pytest.approx(14.0, abs=0.002)
     assert row["wait_seconds"] == pytest.approx(2.0, abs=0.002)
     assert row["utilization"] == pytest.approx(12 / 14, abs=1e-3)
+    assert row["steady_utilization"] == pytest.approx(8 / 9, abs=1e-3)  # phases 3..4
     assert row["gap_s"] == pytest.approx(1.0, abs=0.002)
     assert row["step_ms"] == pytest.approx(400.0)
     assert row["eval_loss"] == 2.5 and row["resyncs"] == 0 and row["aborts"] == 0 and row["mislabeled"] == 0
@@ -73,6 +74,7 @@ def test_overlapped_phases_are_counted_by_place_not_by_label():
     assert row["train_seconds"] == pytest.approx(12.0)
     assert row["wall_seconds"] == pytest.approx(12.2, abs=0.002)
     assert row["utilization"] == pytest.approx(12 / 12.2, abs=1e-3)
+    assert row["steady_utilization"] == pytest.approx(8 / 8.1, abs=1e-3)
     assert row["eval_loss"] is None  # overlapped, evaluation comes after the commit line
 
 

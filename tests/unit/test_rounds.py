@@ -11,7 +11,7 @@ from node.metrics import NodeMetrics
 from p2p.config import SwarmConfig
 from p2p.codecs import get_codec
 from p2p.compression import average_part, part_bounds, piece_bounds
-from p2p.group import Group
+from p2p.group import Group, RoundFailed
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
 from p2p.wire import write_frame
@@ -268,3 +268,20 @@ async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason,
         assert all(r is not None and torch.equal(r[0], res[0][0]) for r in res), [r.last for r in (ra, rb, rc)]
     finally:
         await stop_peers(peers)
+
+
+async def test_group_refuses_duplicates_and_never_encodes_non_finite_input():
+    flat = torch.randn(1000)
+    group = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, get_codec("int8"))
+    with pytest.raises(RoundFailed, match="duplicate_part"):
+        group.add_weight(0, 2.0)  # our own weight is in already
+    with pytest.raises(RoundFailed, match="bad_weight"):
+        group.add_weight(1, float("nan"))
+    group.add_weight(1, 1.0)
+    piece = group.decode_piece(0, group.encode_piece(0, 0))
+    assert not group.add_piece(1, 0, piece)
+    with pytest.raises(RoundFailed, match="duplicate_part"):
+        group.add_piece(1, 0, piece)
+    flat[3] = float("nan")
+    with pytest.raises(RoundFailed, match="non_finite_input"):
+        group.encode_piece(0, 0)
