@@ -67,9 +67,11 @@ class TrainingLoop:
         background while the next round's inner steps run (delayed, eager)."""
         if self.pending is None:
             self.set_state("training")
+        # The round these steps count towards: the next one, or the one after the round in flight.
+        phase_round = self.worker.round + (1 if self.pending is None else 2)
         stats = await self.train_phase()
         self.round_step += stats.steps
-        self.record_inner(stats)
+        self.record_inner(stats, phase_round)
         if self.stop_requested.is_set():
             return
         if self.pending is not None:
@@ -96,7 +98,7 @@ class TrainingLoop:
             if await self.average_until_settled(delta, weight) == "behind":
                 await self.resync("behind")
             return
-        await asyncio.to_thread(self.worker.start_overlapped, delta, 1.0 / self.expected_members())
+        await asyncio.to_thread(self.worker.start_overlapped, delta)
         self.round_step = 0
         self.pending = asyncio.ensure_future(self.average_until_settled(delta, weight))
 
@@ -145,13 +147,6 @@ class TrainingLoop:
     @property
     def overlapped(self) -> bool:
         return self.worker.outer_cfg.overlap != "off"
-
-    def expected_members(self) -> int:
-        """M for the eager preview: the last round's group, else the live peers and us."""
-        last = self.rounds.last
-        if last.status == "committed" and last.members:
-            return len(last.members)
-        return len(self.swarm.peers) + 1
 
     @property
     def tokens_per_step(self) -> int:
@@ -325,10 +320,10 @@ class TrainingLoop:
         self.swarm.announce(round=w.round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
                             rtok=self.round_step * self.tokens_per_step)
 
-    def record_inner(self, stats) -> None:
+    def record_inner(self, stats, phase_round: int) -> None:
         if stats.steps:
             # The benchmarks derive compute utilization from these lines (end time, seconds).
-            log.info("trained round=%d steps=%d seconds=%.3f loss=%.4f", self.worker.round + 1, stats.steps,
+            log.info("trained round=%d steps=%d seconds=%.3f loss=%.4f", phase_round, stats.steps,
                      stats.seconds, stats.mean_loss)
             self.metrics.inner_steps.inc(stats.steps)
             self.metrics.tokens.inc(stats.tokens)

@@ -111,7 +111,7 @@ class OuterConfig:
     # off = wait for the average, then train from the new global parameters;
     # delayed = train on from the last committed parameters while the average travels;
     # eager = as delayed, but start from a preview of the next outer step that uses this
-    # peer's own pseudo-gradient (its 1/M share) in place of the unknown average
+    # peer's own pseudo-gradient in place of the unknown average
     # (Kale et al., arXiv 2502.12996). The global parameters stay bit-identical on all
     # peers in every mode: the preview is local, the outer step uses the committed average.
     overlap: str = "off"

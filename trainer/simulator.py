@@ -71,9 +71,8 @@ class Simulator:
 
     async def _overlapped_round(self, steps: int) -> list[tuple]:
         """Each worker's round r+1 inner steps, then round r's average lands (None = no round yet)."""
-        share = 1.0 / len(self.workers)
         out = await asyncio.gather(*(
-            run_round_overlapped(w, m, steps, p, share)
+            run_round_overlapped(w, m, steps, p)
             for w, m, p in zip(self.workers, self._members, self._pending)
         ))
         self._pending = [p for _, _, p in out]

@@ -102,27 +102,49 @@ def test_overlapped_dropout_resyncs_and_all_end_identical(corpus):
     assert len({w.params_hash() for w in sim.workers}) == 1
 
 
-def test_eager_start_is_the_outer_step_with_this_peers_share(corpus):
+def test_eager_start_is_the_outer_step_with_this_peers_delta(corpus):
     import torch
 
     sim = make_sim(corpus, overlap="eager")
     w = sim.workers[0]
     w.inner_steps(3)
     delta = w.pseudo_gradient()
-    # Reference: the same outer optimizer on a copy, fed delta / 4.
+    # Reference: the same outer optimizer on a copy, fed this peer's delta as the average.
     ref = [g.clone() for g in w.global_params]
     from trainer.outer import OuterOptimizer
-    OuterOptimizer(ref, w.outer_cfg).step([d / 4 for d in delta])
+    OuterOptimizer(ref, w.outer_cfg).step([d.clone() for d in delta])
     before = w.params_hash()
-    w.start_overlapped(delta, 0.25)
+    w.start_overlapped(delta)
     assert w.params_hash() == before  # θ untouched
     for o, r, p in zip(w.origin, ref, w.model.parameters()):
         assert torch.allclose(o, r, atol=1e-6) and torch.equal(p.detach(), o)
     # A second preview, with momentum now present, matches torch's Nesterov step too.
-    w.apply_outer([d.clone() for d in delta], reset_local=False)
+    w.apply_outer([d / 2 for d in delta], reset_local=False)
     ref = [g.clone() for g in w.global_params]
     opt = OuterOptimizer(ref, w.outer_cfg)
     opt.load_state_dict(w.outer_opt.state_dict())
-    opt.step([d / 4 for d in delta])
-    w.start_overlapped(delta, 0.25)
+    opt.step([d.clone() for d in delta])
+    w.start_overlapped(delta)
     assert all(torch.allclose(o, r, atol=1e-6) for o, r in zip(w.origin, ref))
+
+
+def test_eager_starts_average_to_the_committed_parameters(corpus):
+    """The previews are unbiased: their mean is θ after the round's outer step, so eager
+    never relearns a part of the step (as a 1/M share of Δ would make every member do)."""
+    import torch
+
+    sim = make_sim(corpus, overlap="eager")
+    sim.run_sync(1, 3)  # round 1: outer step applied everywhere (momentum now present)
+    for w in sim.workers:
+        w.inner_steps(3)
+    deltas = [w.pseudo_gradient() for w in sim.workers]
+    for w, d in zip(sim.workers, deltas):
+        w.start_overlapped(d)
+    for w in sim.workers:
+        w.apply_outer([torch.stack(ts).mean(0) for ts in zip(*deltas)], reset_local=False)
+    assert len({w.params_hash() for w in sim.workers}) == 1
+    for i, theta in enumerate(sim.workers[0].global_params):
+        mean_start = torch.stack([w.origin[i] for w in sim.workers]).mean(0)
+        assert torch.allclose(mean_start, theta, atol=1e-5)
+        spread = max((w.origin[i] - theta).abs().max().item() for w in sim.workers)
+        assert spread > 1e-4  # the starts differ: each is off by its own deviation
