@@ -9,7 +9,10 @@ may give the data-parallel baseline its own peak lr):
 - single: one worker alone for the same number of steps (k times fewer tokens);
 - DiLoCo again with pseudo-gradients compressed by --codec (default fp4), with
   and without error feedback, through the same encode/average/re-encode
-  functions the swarm's all-reduce uses (p2p/compression.py).
+  functions the swarm's all-reduce uses (p2p/compression.py);
+- DiLoCo fp32 with overlapped rounds (--overlap, default eager): each round's
+  average is applied one round late, as on a node whose all-reduce runs during
+  the next round's inner steps. Its curve counts the tokens of committed rounds.
 
 Eval loss is measured on the fixed held-out split after every H steps.
 Bytes per worker are what each worker sends on the wire with a butterfly (or
@@ -65,6 +68,9 @@ def add_arguments(group) -> None:
     group.add_argument("--outer-lr", type=float, default=OUTER_LR, help=f"DiLoCo outer lr (default {OUTER_LR})")
     group.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
                        help=f"DiLoCo outer Nesterov momentum (default {OUTER_MOMENTUM})")
+    group.add_argument("--overlap", default="eager",
+                       help="comma list of overlap modes (delayed, eager) run as extra fp32 DiLoCo curves; "
+                            "'none' for none (default eager)")
     group.add_argument("--threads", type=int, default=1,
                        help="torch CPU threads (default 1: the tiny model gains nothing from more, and on shared "
                             "cores extra threads spin and slow every step down)")
@@ -88,6 +94,11 @@ def _defaults(args) -> None:
     args.seq_len = args.seq_len or 64
     if min(args.workers, args.inner_steps, args.rounds, args.batch_size, args.seq_len, args.threads) < 1:
         raise SystemExit("convergence: --workers, --inner-steps, --rounds, --batch-size, --seq-len, --threads must be >= 1")
+    modes = [] if args.overlap.strip() == "none" else [m.strip() for m in args.overlap.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("delayed", "eager")]
+    if bad:
+        raise SystemExit(f"convergence: --overlap: {bad[0]!r} is not delayed, eager or none")
+    args.overlap_modes = modes
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -111,16 +122,24 @@ def run(args: argparse.Namespace) -> dict:
         sim = Simulator(workers, model=model, data=data, inner=inner, outer=outer, corpus=corpus, seed=args.seed,
                         wrap=wrap)
         records = sim.run_sync(R, H)
-        curves[name] = [((i + 1) * H * workers * tokens_per_worker_step, r["eval_loss"]) for i, r in enumerate(records)]
+        per_round = H * workers * tokens_per_worker_step
+        if outer.overlap == "off":
+            curves[name] = [((i + 1) * per_round, r["eval_loss"]) for i, r in enumerate(records)]
+        else:  # after round i's steps, i - 1 rounds are committed; run_sync applied the last at the end
+            curves[name] = [(i * per_round, r["eval_loss"]) for i, r in enumerate(records) if i > 0]
+            curves[name].append((R * per_round, sim.workers[0].eval_loss()))
         seconds[name] = time.perf_counter() - started
-        print(f"  {name}: eval loss {records[-1]['eval_loss']:.4f} ({seconds[name]:.0f}s)", flush=True)
-        return records[-1]["eval_loss"]
+        final = curves[name][-1][1]
+        print(f"  {name}: eval loss {final:.4f} ({seconds[name]:.0f}s)", flush=True)
+        return final
 
     diloco_loss = diloco("diloco", k, outer)
     compressed_loss = diloco(f"diloco_{codec.name}_ef", k, outer,
                              wrap=lambda i, m: CompressingMember(m, codec, k, feedback=True))
     no_feedback_loss = diloco(f"diloco_{codec.name}", k, outer,
                               wrap=lambda i, m: CompressingMember(m, codec, k, feedback=False))
+    overlapped = {mode: diloco(f"diloco_{mode}", k, OuterConfig(lr=outer.lr, momentum=outer.momentum, overlap=mode))
+                  for mode in args.overlap_modes}
     # One worker, outer lr 1 and no momentum: plain AdamW (the outer step just adopts θ_local).
     single_loss = diloco("single", 1, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
 
@@ -165,6 +184,8 @@ def run(args: argparse.Namespace) -> dict:
         "diloco_compressed_eval_loss": compressed_loss,
         "diloco_no_feedback_eval_loss": no_feedback_loss,
         "diloco_compressed_bytes_per_worker": int(per_sync_compressed * R),
+        **{f"diloco_{m}_eval_loss": loss for m, loss in overlapped.items()},
+        **{f"{m}_vs_uncompressed_loss": loss / diloco_loss - 1 for m, loss in overlapped.items()},
         "diloco_vs_ddp_loss": diloco_loss / ddp_loss - 1,
         "compressed_vs_uncompressed_loss": compressed_loss / diloco_loss - 1,
         "compressed_vs_ddp_loss": compressed_loss / ddp_loss - 1,
@@ -192,6 +213,8 @@ def run(args: argparse.Namespace) -> dict:
         {"run": f"diloco {codec.name}, no feedback", "eval_loss": no_feedback_loss, "tokens": result["tokens"],
          "bytes_per_worker": result["diloco_compressed_bytes_per_worker"]},
     ]
+    result["rows"] += [{"run": f"diloco, {m} overlap", "eval_loss": loss, "tokens": result["tokens"],
+                        "bytes_per_worker": result["diloco_bytes_per_worker"]} for m, loss in overlapped.items()]
     for row in result["rows"]:
         row["vs_ddp"] = f"{row['eval_loss'] / ddp_loss - 1:+.1%}"
         row["ddp_bytes_ratio"] = f"{result['ddp_bytes_per_worker'] / row['bytes_per_worker']:.0f}x" if row["bytes_per_worker"] else "-"
@@ -210,7 +233,8 @@ def _plot(curves, path: Path, k: int, H: int) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = {"diloco": f"DiLoCo fp32, {k} workers, H={H}", "ddp": f"data-parallel, {k} workers",
-              "single": "one worker"}
+              "single": "one worker", "diloco_eager": "DiLoCo fp32, eager overlap",
+              "diloco_delayed": "DiLoCo fp32, delayed overlap"}
     for name, points in curves.items():
         ax.plot([t / 1e6 for t, _ in points], [l for _, l in points], marker=".", label=labels.get(name, name))
     ax.set_xlabel("training tokens (millions)")
