@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -30,6 +31,13 @@ class InnerStats:
     tokens: int
     mean_loss: float
     seconds: float
+
+    def __add__(self, other: "InnerStats") -> "InnerStats":
+        steps = self.steps + other.steps
+        loss_sum = sum(s.mean_loss * s.steps for s in (self, other) if s.steps)
+        return InnerStats(steps=steps, tokens=self.tokens + other.tokens,
+                          mean_loss=loss_sum / steps if steps else float("nan"),
+                          seconds=self.seconds + other.seconds)
 
 
 def _check_tensors(tensors, like: list[torch.Tensor], key: str) -> None:
@@ -79,6 +87,10 @@ class DiLoCoWorker:
         self.outer_opt = OuterOptimizer(self.global_params, outer)
         # Where the local copy started this round when that is not θ (overlapped rounds).
         self.origin: list[torch.Tensor] | None = None
+        # Overlapped rounds: an average committed while the local copy trains moves the
+        # local copy at its next step (see apply_outer); the lock orders the two threads.
+        self._lock = threading.Lock()
+        self._rebase_due = False
         self.sampler = ShardSampler(
             corpus,
             shard_key=shard_key,
@@ -101,6 +113,7 @@ class DiLoCoWorker:
         for _ in range(n):
             if should_stop is not None and should_stop():
                 break
+            self._rebase_if_due()
             x, y = self.sampler.next_batch()
             lr = inner_lr(self.inner_step, self.inner_cfg)
             for group in self.inner_opt.param_groups:
@@ -126,21 +139,41 @@ class DiLoCoWorker:
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """Δ = start − θ_local, fp32 on CPU; the start is θ unless rounds overlap."""
+        self._rebase_if_due()
         start = self.origin if self.origin is not None else self.global_params
         return [g - p.detach().to("cpu", torch.float32) for g, p in zip(start, self.model.parameters())]
 
     def apply_outer(self, avg_delta: list[torch.Tensor], *, reset_local: bool = True) -> None:
         """Outer step on θ with the round's averaged Δ; the local copy restarts from the new
-        θ, unless rounds overlap (it is then training the next round already)."""
-        self.outer_opt.step(avg_delta)
-        self.round += 1
+        θ. Unless rounds overlap: the local copy is then training the next round already,
+        and at its next step it moves by what θ moved relative to where it started
+        (θ_new − origin), keeping the progress it made, and that θ becomes its origin.
+        The sooner an average lands, the fewer steps run from the stale start: landing
+        before the first step is exactly a round without overlap."""
+        with self._lock:
+            self.outer_opt.step(avg_delta)
+            self.round += 1
+            if not reset_local:
+                self._rebase_due = True
         if reset_local:
             self.reset_local()
+
+    @torch.no_grad()
+    def _rebase_if_due(self) -> None:
+        if not self._rebase_due:
+            return
+        with self._lock:
+            start = self.origin if self.origin is not None else self.global_params
+            for p, o, g in zip(self.model.parameters(), start, self.global_params):
+                p.add_((g - o).to(p.device, p.dtype))
+            self.origin = [g.clone() for g in self.global_params]
+            self._rebase_due = False
 
     @torch.no_grad()
     def reset_local(self) -> None:
         """Discard local progress: θ_local ← θ (AdamW state stays)."""
         self.origin = None
+        self._rebase_due = False
         for g, p in zip(self.global_params, self.model.parameters()):
             p.copy_(g)
 
@@ -161,9 +194,11 @@ class DiLoCoWorker:
             start = [g.clone() for g in self.global_params]
         else:
             start = self._preview(own_delta)
-        for s, p in zip(start, self.model.parameters()):
-            p.copy_(s)
-        self.origin = start
+        with self._lock:
+            for s, p in zip(start, self.model.parameters()):
+                p.copy_(s)
+            self.origin = start
+            self._rebase_due = False
 
     def _preview(self, g: list[torch.Tensor]) -> list[torch.Tensor]:
         """θ after one outer step with gradient g, leaving θ and the momentum untouched."""
@@ -241,6 +276,7 @@ class DiLoCoWorker:
 
     def state_dict(self) -> dict:
         """Everything needed to resume this worker exactly (loadable with weights_only=True)."""
+        self._rebase_if_due()
         state = {
             "config": self._config_echo(),
             "round": self.round,
@@ -284,6 +320,7 @@ class DiLoCoWorker:
         if "rng_cuda" in d and self.device.type == "cuda":
             torch.cuda.set_rng_state(d["rng_cuda"], self.device)
         self.origin = None if d.get("origin") is None else [o.clone() for o in d["origin"]]
+        self._rebase_due = False
         self.round = d["round"]
         self.inner_step = d["inner_step"]
 
@@ -314,17 +351,21 @@ async def run_round_overlapped(
     averager: Averager,
     steps: int,
     pending: asyncio.Future | None,
+    *,
+    land_after: int | None = None,
 ) -> tuple[InnerStats, bool | None, asyncio.Future | None]:
     """One overlapped DiLoCo round (``outer.overlap`` delayed or eager).
 
     Inner steps run while the previous round's average is still travelling
-    (``pending``); it is applied afterwards, and the next round starts before this
-    round's average is known. Returns the inner stats, whether the previous round
-    committed (None if there was none), and the new pending average. A member whose
-    previous round failed launches nothing: it must re-sync, then train from θ.
+    (``pending``); it lands after ``land_after`` of the steps (default: after all of
+    them), is applied, and the local copy moves with θ (``apply_outer``). The next
+    round starts before this round's average is known. Returns the inner stats,
+    whether the previous round committed (None if there was none), and the new
+    pending average. A member whose previous round failed launches nothing: it must
+    re-sync, then train from θ.
     """
-    stats = worker.inner_steps(steps)
-    delta = worker.pseudo_gradient()
+    first = steps if pending is None or land_after is None else max(0, min(land_after, steps))
+    stats = worker.inner_steps(first)
     committed = None
     if pending is not None:
         avg = await pending
@@ -332,6 +373,8 @@ async def run_round_overlapped(
         if avg is None:
             return stats, False, None
         worker.apply_outer(avg, reset_local=False)
+    stats = stats + worker.inner_steps(steps - first)
+    delta = worker.pseudo_gradient()
     worker.start_overlapped(delta)
     task = asyncio.ensure_future(averager.average(delta, weight=float(stats.tokens), round=worker.round))
     return stats, committed, task

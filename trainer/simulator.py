@@ -31,8 +31,15 @@ class Simulator:
         seed: int,
         fail: set[tuple[int, int]] | frozenset = frozenset(),
         wrap: Callable[[int, Averager], Averager] | None = None,
+        land_after: float = 1.0,
     ) -> None:
-        """``wrap(i, member)`` may replace worker i's averager, e.g. to compress on the way."""
+        """``wrap(i, member)`` may replace worker i's averager, e.g. to compress on the way.
+
+        Overlapped rounds: the average of round r lands after this fraction of round
+        r+1's inner steps (an all-reduce that takes half a round: 0.5; 1.0 = at the end)."""
+        if not 0.0 <= land_after <= 1.0:
+            raise ValueError(f"land_after must be in [0, 1], got {land_after}")
+        self.land_after = land_after
         # One seed for all: every worker starts from the same θ, as peers do.
         self.workers = [
             DiLoCoWorker(
@@ -72,7 +79,7 @@ class Simulator:
     async def _overlapped_round(self, steps: int) -> list[tuple]:
         """Each worker's round r+1 inner steps, then round r's average lands (None = no round yet)."""
         out = await asyncio.gather(*(
-            run_round_overlapped(w, m, steps, p)
+            run_round_overlapped(w, m, steps, p, land_after=round(self.land_after * steps))
             for w, m, p in zip(self.workers, self._members, self._pending)
         ))
         self._pending = [p for _, _, p in out]

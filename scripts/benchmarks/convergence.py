@@ -11,8 +11,9 @@ may give the data-parallel baseline its own peak lr):
   and without error feedback, through the same encode/average/re-encode
   functions the swarm's all-reduce uses (p2p/compression.py);
 - DiLoCo fp32 with overlapped rounds (--overlap, default eager): each round's
-  average is applied one round late, as on a node whose all-reduce runs during
-  the next round's inner steps. Its curve counts the tokens of committed rounds.
+  average lands after --land-after (default 0.5) of the next round's inner
+  steps, as on a node whose all-reduce takes half a round, and the local copy
+  moves with θ from then on. Its curve counts the tokens of committed rounds.
 
 Eval loss is measured on the fixed held-out split after every H steps.
 Bytes per worker are what each worker sends on the wire with a butterfly (or
@@ -71,6 +72,9 @@ def add_arguments(group) -> None:
     group.add_argument("--overlap", default="eager",
                        help="comma list of overlap modes (delayed, eager) run as extra fp32 DiLoCo curves; "
                             "'none' for none (default eager)")
+    group.add_argument("--land-after", type=float, default=0.5,
+                       help="overlapped runs: fraction of the next round's steps after which an average lands "
+                            "(default 0.5; 1.0 = at the end of the round)")
     group.add_argument("--threads", type=int, default=1,
                        help="torch CPU threads (default 1: the tiny model gains nothing from more, and on shared "
                             "cores extra threads spin and slow every step down)")
@@ -99,6 +103,8 @@ def _defaults(args) -> None:
     if bad:
         raise SystemExit(f"convergence: --overlap: {bad[0]!r} is not delayed, eager or none")
     args.overlap_modes = modes
+    if not 0.0 <= args.land_after <= 1.0:
+        raise SystemExit("convergence: --land-after must be in [0, 1]")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -120,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     def diloco(name: str, workers: int, outer: OuterConfig, wrap=None) -> float:
         started = time.perf_counter()
         sim = Simulator(workers, model=model, data=data, inner=inner, outer=outer, corpus=corpus, seed=args.seed,
-                        wrap=wrap)
+                        wrap=wrap, land_after=args.land_after)
         records = sim.run_sync(R, H)
         per_round = H * workers * tokens_per_worker_step
         if outer.overlap == "off":
@@ -173,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         "outer_lr": outer.lr,
         "outer_momentum": outer.momentum,
         "outer_nesterov": outer.nesterov,
+        "land_after": args.land_after,
         "parameters": params,
         "tokens": R * H * k * tokens_per_worker_step,
         "diloco_eval_loss": diloco_loss,

@@ -148,3 +148,41 @@ def test_eager_starts_average_to_the_committed_parameters(corpus):
         assert torch.allclose(mean_start, theta, atol=1e-5)
         spread = max((w.origin[i] - theta).abs().max().item() for w in sim.workers)
         assert spread > 1e-4  # the starts differ: each is off by its own deviation
+
+
+def test_an_average_that_lands_before_the_first_step_is_a_round_without_overlap(corpus):
+    """The local copy moves with θ when an average lands; landing at once leaves nothing stale."""
+    import torch
+
+    def final(overlap, **kw):
+        sim = make_sim(corpus, overlap=overlap)
+        sim.land_after = kw.get("land_after", 1.0)
+        sim.run_sync(3, 4)
+        return sim.workers[0]
+
+    off, landed, late = final("off"), final("eager", land_after=0.0), final("eager")
+    assert off.round == landed.round == late.round == 3
+    gap_landed = max((a - b).abs().max().item() for a, b in zip(off.global_params, landed.global_params))
+    gap_late = max((a - b).abs().max().item() for a, b in zip(off.global_params, late.global_params))
+    assert gap_landed < 1e-4, gap_landed  # equal up to float rounding of the move
+    assert gap_late > 100 * max(gap_landed, 1e-7)  # a late average does change the outcome
+
+
+def test_a_landing_average_moves_the_local_copy_by_what_theta_moved(corpus):
+    import torch
+
+    sim = make_sim(corpus, overlap="eager")
+    w = sim.workers[0]
+    w.inner_steps(2)
+    w.start_overlapped(w.pseudo_gradient())
+    w.inner_steps(2)
+    before = [p.detach().clone() for p in w.model.parameters()]
+    origin = [o.clone() for o in w.origin]
+    progress = [o - b for o, b in zip(origin, before)]
+    w.apply_outer([torch.full_like(g, 0.01) for g in w.global_params], reset_local=False)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(w.model.parameters(), before))  # moves at its next step
+    delta = w.pseudo_gradient()  # ... or when its progress is read
+    for d, pr, p, g in zip(delta, progress, w.model.parameters(), w.global_params):
+        assert torch.allclose(d, pr, atol=1e-6)  # the progress is kept
+        assert torch.allclose(p.detach(), g - pr, atol=1e-6)  # now measured from the new θ
+    assert all(torch.equal(o, g) for o, g in zip(w.origin, w.global_params))
