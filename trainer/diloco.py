@@ -140,8 +140,11 @@ class DiLoCoWorker:
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """Δ = start − θ_local, fp32 on CPU; the start is θ unless rounds overlap."""
         self._rebase_if_due()
-        start = self.origin if self.origin is not None else self.global_params
-        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(start, self.model.parameters())]
+        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self._start(), self.model.parameters())]
+
+    def _start(self) -> list[torch.Tensor]:
+        """Where the local copy started this round: θ, or ``origin`` when rounds overlap."""
+        return self.origin if self.origin is not None else self.global_params
 
     def apply_outer(self, avg_delta: list[torch.Tensor], *, reset_local: bool = True) -> None:
         """Outer step on θ with the round's averaged Δ; the local copy restarts from the new
@@ -163,8 +166,7 @@ class DiLoCoWorker:
         if not self._rebase_due:
             return
         with self._lock:
-            start = self.origin if self.origin is not None else self.global_params
-            for p, o, g in zip(self.model.parameters(), start, self.global_params):
+            for p, o, g in zip(self.model.parameters(), self._start(), self.global_params):
                 p.add_((g - o).to(p.device, p.dtype))
             self.origin = [g.clone() for g in self.global_params]
             self._rebase_due = False

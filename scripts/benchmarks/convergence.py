@@ -30,6 +30,7 @@ scale (closest measured: fp4 + error feedback, --inner-steps 20 --rounds 40,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
                              wrap=lambda i, m: CompressingMember(m, codec, k, feedback=True))
     no_feedback_loss = diloco(f"diloco_{codec.name}", k, outer,
                               wrap=lambda i, m: CompressingMember(m, codec, k, feedback=False))
-    overlapped = {mode: diloco(f"diloco_{mode}", k, OuterConfig(lr=outer.lr, momentum=outer.momentum, overlap=mode))
+    overlapped = {mode: diloco(f"diloco_{mode}", k, dataclasses.replace(outer, overlap=mode))
                   for mode in args.overlap_modes}
     # One worker, outer lr 1 and no momentum: plain AdamW (the outer step just adopts θ_local).
     single_loss = diloco("single", 1, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))

@@ -15,7 +15,7 @@ def corpus():
     return load_corpus(default_corpus_paths()[:30])
 
 
-def make_sim(corpus, fail=frozenset(), overlap="off"):
+def make_sim(corpus, fail=frozenset(), overlap="off", land_after=1.0):
     return Simulator(
         4,
         model=ModelConfig(preset="tiny"),
@@ -25,6 +25,7 @@ def make_sim(corpus, fail=frozenset(), overlap="off"):
         corpus=corpus,
         seed=2,
         fail=fail,
+        land_after=land_after,
     )
 
 
@@ -154,9 +155,8 @@ def test_an_average_that_lands_before_the_first_step_is_a_round_without_overlap(
     """The local copy moves with θ when an average lands; landing at once leaves nothing stale."""
     import torch
 
-    def final(overlap, **kw):
-        sim = make_sim(corpus, overlap=overlap)
-        sim.land_after = kw.get("land_after", 1.0)
+    def final(overlap, land_after=1.0):
+        sim = make_sim(corpus, overlap=overlap, land_after=land_after)
         sim.run_sync(3, 4)
         return sim.workers[0]
 
