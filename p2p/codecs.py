@@ -69,6 +69,13 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"codec input must be a 1-D contiguous float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
+def _check_out(out: torch.Tensor, numel: int) -> torch.Tensor:
+    if out.dtype != torch.float32 or out.shape != (numel,) or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"decode out= must be a contiguous float32 CPU tensor of shape ({numel},), "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
 def _payload(codec: Codec, data: bytes | bytearray | memoryview, numel: int) -> tuple[torch.Tensor, bool]:
     """The payload as a uint8 tensor after checking its exact size, and whether it is a private copy."""
     if numel < 0:
@@ -103,8 +110,9 @@ class Codec(abc.ABC):
         """Encode a 1-D contiguous float32 CPU tensor; non-finite input raises CodecError."""
 
     @abc.abstractmethod
-    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        """Decode ``numel`` values; raises CodecError for a mis-sized or invalid payload."""
+    def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode ``numel`` values (into ``out`` if given, and return it); raises CodecError for a
+        mis-sized or invalid payload, after which ``out`` holds garbage."""
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -137,11 +145,15 @@ class FloatCodec(Codec):
             y = x.clamp(-limit, limit).to(self.dtype)
         return y.view(torch.uint8).numpy().tobytes()
 
-    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         raw, private = _payload(self, data, numel)
-        out = raw.view(self.dtype).to(torch.float32)
-        if out.data_ptr() == raw.data_ptr() and not private:
-            out = out.clone()  # never alias a buffer the caller may reuse
+        if out is not None:
+            out = _check_out(out, numel)
+            out.copy_(raw.view(self.dtype))
+        else:
+            out = raw.view(self.dtype).to(torch.float32)
+            if out.data_ptr() == raw.data_ptr() and not private:
+                out = out.clone()  # never alias a buffer the caller may reuse
         if not all_finite(out):
             raise CodecError("non_finite_value")
         return out
@@ -200,7 +212,7 @@ class BlockCodec(Codec):
             codes[offset : offset + packed.numel()] = packed.view(-1)
         return out.numpy().tobytes()
 
-    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         raw, _ = _payload(self, data, numel)
         nblocks = -(-numel // self.block_size)
         scales, codes = raw[: 4 * nblocks].view(torch.float32), raw[4 * nblocks :]
@@ -210,7 +222,7 @@ class BlockCodec(Codec):
             raise CodecError("negative_scale")
         if (scales > SCALE_LIMIT).any():
             raise CodecError("scale_overflow")
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else _check_out(out, numel)
         for start, count, length in self._pieces(numel):
             first = start // self.block_size
             offset = first * self.block_bytes(self.block_size)

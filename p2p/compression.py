@@ -58,8 +58,9 @@ def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]]) 
 
     Elementwise, so the mean of a piece is that piece of the part's mean."""
     total = math.fsum(w for w, _ in contributions)
-    acc = torch.zeros_like(contributions[0][1])
-    for w, part in contributions:
+    (w0, first), rest = contributions[0], contributions[1:]
+    acc = torch.mul(first, w0 / total)
+    for w, part in rest:
         acc.add_(part, alpha=w / total)
     return codec.encode(acc)
 
@@ -68,10 +69,13 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
 
 
-def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor], *, copy: bool = True) -> list[torch.Tensor]:
+    """``flat`` cut into tensors shaped like ``like``; ``copy=False`` returns views of ``flat``
+    (for a buffer nobody else writes to, such as a round's fresh result)."""
     out, offset = [], 0
     for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t).clone())
+        view = flat[offset : offset + t.numel()].view_as(t)
+        out.append(view.clone() if copy else view)
         offset += t.numel()
     return out
 

@@ -7,7 +7,10 @@ so the result does not depend on arrival order), encodes the average once and
 sends the same bytes back to all. Every member decodes those bytes, so all end
 with a bit-identical average. Before anyone applies it, members exchange a
 digest of the whole averaged vector (``votes``): a round commits only if every
-member reports the same digest.
+member reports the same digest. The digest is built piece by piece as the
+averaged pieces are placed (a hash of each piece's values, then one keyed
+hash over those in vector order), so hashing overlaps the transfer instead of
+following it.
 
 Parts travel as pieces (``compression.piece_bounds``, whole codec blocks), so
 the two halves of the butterfly overlap: the owner averages piece ``k`` as
@@ -49,10 +52,18 @@ class RoundFailed(Exception):
         self.reason = reason
 
 
-def digest(vector: torch.Tensor, group_id: bytes) -> bytes:
-    """What members vote on: the averaged vector, bound to this group."""
+def piece_digest(values: torch.Tensor) -> bytes:
+    """Hash of one averaged piece's values (fp32 bytes, as placed in the result).
+
+    SHA-256: with the CPU's SHA instructions it hashes ~1.3 GB/s here, twice blake2b."""
+    return hashlib.sha256(memoryview(values.numpy()).cast("B")).digest()
+
+
+def digest(piece_digests: list[bytes], group_id: bytes) -> bytes:
+    """What members vote on: the averaged vector, as the hashes of its pieces in order, bound to this group."""
     h = hashlib.blake2b(digest_size=16, key=group_id[:64])
-    h.update(memoryview(vector.numpy()).cast("B"))
+    for d in piece_digests:
+        h.update(d)
     return h.digest()
 
 
@@ -85,6 +96,8 @@ class Group:
         # Per piece of our part: sender index -> decoded values, until the piece is averaged.
         self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(own)]
         self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
+        # piece_digest of every averaged piece of every part, filled as they are placed.
+        self._placed: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
         self._reduced_count = 0
         self._changed = asyncio.Event()
         self.add_weight(self.index, self.weight)
@@ -107,11 +120,11 @@ class Group:
         start, end = self.pieces[index][k]
         return self.codec.wire_bytes(end - start)
 
-    def _decode(self, index: int, k: int, data: bytes) -> torch.Tensor:
-        """Decode piece ``k`` of part ``index`` from a peer; refuse anything malformed."""
+    def _decode(self, index: int, k: int, data: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode piece ``k`` of part ``index`` from a peer (into ``out`` if given); refuse anything malformed."""
         start, end = self.pieces[index][k]
         try:
-            values = self.codec.decode(data, end - start)
+            values = self.codec.decode(data, end - start, out)
         except CodecError as e:
             raise RoundFailed("bad_payload", e.reason) from None
         if not all_finite(values):  # the codecs already refuse these; never let one through
@@ -128,7 +141,7 @@ class Group:
         except CodecError as e:  # our own pseudo-gradient holds NaN or Inf: nobody may average it
             raise RoundFailed(e.reason) from None
         if not self.codec.exact:
-            self.sent[start:end] = self.codec.decode(payload, end - start)
+            self.codec.decode(payload, end - start, self.sent[start:end])
         return payload
 
     def decode_piece(self, k: int, data: bytes) -> torch.Tensor:
@@ -149,7 +162,14 @@ class Group:
     def place_piece(self, index: int, k: int, data: bytes) -> None:
         """Store piece ``k`` of the average of part ``index`` (from its owner, or our own)."""
         start, end = self.pieces[index][k]
-        self.result[start:end] = self._decode(index, k, data)
+        self._decode(index, k, data, self.result[start:end])
+        self._placed[index][k] = piece_digest(self.result[start:end])
+
+    def digest(self) -> bytes:
+        """The vote: ``digest`` of the whole averaged vector; every piece must have been placed."""
+        pieces = [d for part in self._placed for d in part]
+        assert all(d is not None for d in pieces), "digest before every averaged piece was placed"
+        return digest(pieces, self.id)
 
     # ---- events ----------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The swarm's implementation of the averaging interface: one outer round, all or nothing.
 
-A round on this peer goes: announce ``ready`` for round r in the DHT; wait
-until every live peer of round r is ready (or ``gather_timeout``); the ready
-peer with the smallest id leads and sends ``begin`` with the sorted member
+A round on this peer goes: announce ``ready`` for round r in the DHT (and
+tell the peer it expects to lead directly, so the leader need not wait for
+its next DHT poll to see it); wait until every live peer of round r is ready
+(or ``gather_timeout``); the ready peer with the smallest id leads and sends ``begin`` with the sorted member
 list to the others; every member must accept, else the attempt is cancelled
 and retried without the silent ones. Members then run the butterfly
 all-reduce of ``group.py`` over libp2p streams and vote on the digest of the
@@ -37,9 +38,9 @@ from p2p import faults
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
-from p2p.group import Group, RoundFailed, digest
+from p2p.group import Group, RoundFailed
 from p2p.swarm import Swarm, peer_id_from
-from p2p.wire import WireError, close_writer, field as hfield, linger, read_frame, write_frame
+from p2p.wire import FrameReader, WireError, close_writer, field as hfield, linger, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,15 @@ class RoundProtocol:
         self.use_feedback = cfg.error_feedback and self.codec.name != "fp32"
         self.feedback: ErrorFeedback | None = None
         self.request_timeout = cfg.request_timeout
-        self._names = {k: f"gonka.{swarm.run_id}.{k}" for k in ("begin", "part", "vote")}
+        self._names = {k: f"gonka.{swarm.run_id}.{k}" for k in ("begin", "part", "vote", "ready")}
         self._waiting: _Waiting | None = None
         self._group: Group | None = None
         self._group_set = asyncio.Event()
         self._suspects: dict[str, float] = {}
+        # Peers that told us directly they are ready for a round (peer -> round), and a wake-up.
+        self._ready_hints: dict[str, int] = {}
+        self._hinted = asyncio.Event()
+        self._hint_tasks: set[asyncio.Task] = set()
         self.last = RoundOutcome("none")
 
     async def start(self) -> None:
@@ -94,6 +99,7 @@ class RoundProtocol:
         await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin))
         await p2p.add_binary_stream_handler(self._names["part"], self._guard(self._on_part))
         await p2p.add_binary_stream_handler(self._names["vote"], self._guard(self._on_vote))
+        await p2p.add_binary_stream_handler(self._names["ready"], self._guard(self._on_ready))
 
     # ---- the averaging interface ---------------------------------------------------
 
@@ -104,9 +110,9 @@ class RoundProtocol:
         return self.feedback
 
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
-        raw = flatten(tensors)
+        raw = await _off_loop(flatten, tensors)  # a copy of ~4 bytes per parameter: not on the event loop
         feedback = self.ensure_feedback(raw.numel())
-        flat = feedback.compensate(raw) if feedback is not None else raw
+        flat = await _off_loop(feedback.compensate, raw) if feedback is not None else raw
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future())
@@ -145,7 +151,7 @@ class RoundProtocol:
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds)
         faults.checkpoint("commit", round + 1, len(group.members))
-        return unflatten(result, tensors)
+        return unflatten(result, tensors, copy=False)  # the group's result buffer is ours alone now
 
     # ---- gather: who is in this round ----------------------------------------------
 
@@ -161,12 +167,20 @@ class RoundProtocol:
         leader_wait_limit = self.gather_timeout + 2 * self.request_timeout
         waited_for_leader: dict[str, float] = {}
         reported = started
+        self._ready_hints = {p: r for p, r in self._ready_hints.items() if r >= round}
+        # Hint at once from the last table read; the fresh read below corrects the guess if needed.
+        hinted_to = self._hint_leader(self._live(self.swarm.peers), round, None)
+        woken = False
         while True:
-            peers = self._live(await self.swarm.refresh_peers())
+            # Woken by a peer's hint: the table read a moment ago is fresh enough.
+            peers = self._live(await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0))
             if any(r.round > round and r.state != "joining" for r in peers.values()):
                 raise _Behind()
-            ready = sorted([p for p, r in peers.items() if r.round == round and r.state == "ready"] + [self.swarm.peer_id])
-            training = [p for p, r in peers.items() if r.round == round and r.state == "training"]
+            hinted = {p for p, r in self._ready_hints.items() if r == round and p in peers}
+            ready = sorted({p for p, r in peers.items() if r.round == round and r.state == "ready"} | hinted
+                           | {self.swarm.peer_id})
+            training = [p for p, r in peers.items() if r.round == round and r.state == "training" and p not in hinted]
+            hinted_to = self._hint_leader(peers, round, hinted_to, ready)
             leader = ready[0]
             timed_out = time.monotonic() - started > self.gather_timeout
             can_lead = self.swarm.table_fresh or timed_out
@@ -187,11 +201,40 @@ class RoundProtocol:
                 log.info("round %d: still gathering after %.0fs: %d ready, %d training, %d needed, table %s",
                          round + 1, reported - started, len(ready), len(training), self.min_peers,
                          "fresh" if self.swarm.table_fresh else "stale")
+            self._hinted.clear()
+            group_set = asyncio.ensure_future(asyncio.shield(self._waiting.group))
+            hint = asyncio.ensure_future(self._hinted.wait())
             try:
-                async with asyncio.timeout(POLL_SECONDS):
-                    return await asyncio.shield(self._waiting.group)
-            except TimeoutError:
-                continue
+                await asyncio.wait([group_set, hint], timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                group_set.cancel()
+                hint.cancel()
+            if self._waiting.group.done():
+                return self._waiting.group.result()
+            woken = self._hinted.is_set()
+
+    def _hint_leader(self, peers: dict, round: int, hinted_to: str | None, ready=()) -> str | None:
+        """Hint the peer expected to lead ``round`` (unless that is us or it was hinted already); returns it."""
+        # Whoever will lead: the smallest id of the peers at (or about to reach) this round.
+        expected = min([self.swarm.peer_id, *ready,
+                        *(p for p, r in peers.items() if r.round >= round - 1 and r.state != "joining")])
+        if expected != self.swarm.peer_id and expected != hinted_to:
+            self._hint(expected, round)
+            return expected
+        return hinted_to
+
+    def _hint(self, peer: str, round: int) -> None:
+        """Tell ``peer`` (the expected leader) that we are ready for ``round``; best effort, in the background."""
+
+        async def send():
+            try:
+                await self._call(peer, "ready", {"r": round})
+            except Exception as e:  # the DHT poll still gets the news to the leader
+                log.debug("ready hint to %s failed: %r", peer[-8:], e)
+
+        task = asyncio.ensure_future(send())
+        self._hint_tasks.add(task)
+        task.add_done_callback(self._hint_tasks.discard)
 
     async def _lead(self, round: int, members: list[str]) -> Group | None:
         """Propose the group to every member; all must accept or the attempt is cancelled."""
@@ -231,7 +274,7 @@ class RoundProtocol:
         exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
         own = [self._contribute_own(group), group.all_reduced(deadline)]
         await _all_or_fail([asyncio.ensure_future(c) for c in [*own, *exchanges]], group)
-        vote = await _off_loop(digest, group.result, group.id)
+        vote = group.digest()
         group.add_vote(group.index, vote)
         header = {"g": group.id, "digest": vote}
         others = [p for p in group.members if p != group.me]
@@ -313,7 +356,9 @@ class RoundProtocol:
     async def _open(self, peer: str, name: str):
         try:
             async with asyncio.timeout(self.request_timeout):
-                return await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer), self._names[name])
+                info, reader, writer = await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer),
+                                                                                         self._names[name])
+                return info, FrameReader.attach(reader, writer), writer
         except TimeoutError:
             raise RoundFailed("unreachable", peer[-8:]) from None
         except Exception as e:
@@ -334,6 +379,7 @@ class RoundProtocol:
 
         async def run(info, reader, writer):
             try:
+                reader = FrameReader.attach(reader, writer)
                 header, _ = await read_frame(reader, self.request_timeout)
                 await handler(info.peer_id.to_base58(), header, reader, writer)
                 await linger(reader, self.request_timeout)
@@ -436,6 +482,15 @@ class RoundProtocol:
         except (WireError, RoundFailed) as e:
             group.fail(e.reason, str(e))
             raise
+
+    async def _on_ready(self, sender: str, header: dict, reader, writer) -> None:
+        round = hfield(header, "r", int)
+        if round >= 0 and (self._waiting is None or round >= self._waiting.round):
+            self._ready_hints[sender] = round
+            if len(self._ready_hints) > 4096:  # bounded, whoever sends hints
+                self._ready_hints.pop(next(iter(self._ready_hints)))
+            self._hinted.set()
+        await _reply(writer, {"ok": True})
 
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
         group, index = await self._group_for(sender, header)

@@ -23,6 +23,12 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 _PREFIX = struct.Struct("!II")  # header length, payload length
 
 
+# Reads at least this long go straight into the caller's buffer instead of through ours.
+DIRECT_READ_BYTES = 64 * 1024
+# Bytes FrameReader holds for a caller that is not reading before it pauses the stream.
+READ_AHEAD_BYTES = 1024 * 1024
+
+
 class WireError(Exception):
     """A peer sent something we refuse; ``reason`` is a short metric label."""
 
@@ -102,3 +108,171 @@ async def close_writer(writer: asyncio.StreamWriter) -> None:
             await writer.wait_closed()
     except Exception:
         pass
+
+
+class FrameReader(asyncio.BufferedProtocol):
+    """A stream's reading side without asyncio.StreamReader: bytes land in place, waiters wake once.
+
+    ``asyncio.StreamReader`` copies every chunk the transport reads into its buffer
+    and wakes the reading task for each one; a 1 MB piece arriving over a shaped
+    link comes in ~35 chunks, so most of a round's event-loop time went there.
+    This protocol takes over the transport (``attach``): a read of at least
+    DIRECT_READ_BYTES is received straight into the caller's new buffer, smaller
+    reads come from a small buffer of ours, and the reading task wakes once per
+    read. It offers ``readexactly`` and ``read`` with StreamReader's semantics, so
+    ``read_frame`` and ``linger`` take either. The StreamWriter keeps working:
+    flow control, end of stream and connection loss are passed on to the stream's
+    original protocol.
+    """
+
+    def __init__(self, transport: asyncio.BaseTransport, stream_protocol: asyncio.BaseProtocol) -> None:
+        self._transport = transport
+        self._stream = stream_protocol
+        self._buf = bytearray(DIRECT_READ_BYTES)
+        self._lo = self._hi = 0  # our buffered bytes are _buf[_lo:_hi]
+        self._dest: memoryview | None = None  # a direct read in progress: its buffer and how far it is filled
+        self._filled = 0
+        self._want = 0  # bytes of ours the waiting reader needs
+        self._waiter: asyncio.Future | None = None
+        self._eof = False
+        self._error: BaseException | None = None
+        self._paused = False
+
+    @classmethod
+    def attach(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> "FrameReader":
+        """Take over the transport of ``reader``/``writer``, keeping whatever ``reader`` has buffered."""
+        if isinstance(reader, FrameReader):
+            return reader
+        transport = writer.transport
+        self = cls(transport, transport.get_protocol())
+        # StreamReader has no public way to hand over its buffer; _buffer has held it since Python 3.4.
+        leftover = bytes(reader._buffer)
+        reader._buffer.clear()
+        self._append(leftover)
+        self._error = reader.exception()
+        self._eof = reader.at_eof() or self._error is not None or transport.is_closing()
+        transport.set_protocol(self)
+        if not self._eof:
+            transport.resume_reading()  # StreamReader may have paused it
+        return self
+
+    # ---- the protocol -----------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._dest is not None:
+            return self._dest[self._filled :]
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        if len(self._buf) - self._hi < DIRECT_READ_BYTES // 2:
+            self._compact(DIRECT_READ_BYTES)
+        return memoryview(self._buf)[self._hi :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._dest is not None:
+            self._filled += nbytes
+            if self._filled == len(self._dest):
+                self._dest = None  # complete: anything after it is the next frame's, for our buffer
+                self._wake()
+            return
+        self._hi += nbytes
+        if self._waiter is not None and self._hi - self._lo >= self._want:
+            self._wake()
+        if self._hi - self._lo > READ_AHEAD_BYTES and not self._paused:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        self._stream.eof_received()
+        return True  # keep the writing side open, as StreamReader's protocol does
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._eof = True
+        self._error = exc
+        self._wake()
+        self._stream.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._stream.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._stream.resume_writing()
+
+    # ---- the reading side -------------------------------------------------------
+
+    async def readexactly(self, n: int) -> bytes | bytearray:
+        """Exactly ``n`` bytes (a bytearray of the caller's own for large reads); IncompleteReadError at EOF."""
+        if n >= DIRECT_READ_BYTES:
+            return await self._read_direct(n)
+        while self._hi - self._lo < n:
+            self._check_open(self._buf[self._lo : self._hi], n)
+            await self._wait(n)
+        out = bytes(self._buf[self._lo : self._lo + n])
+        self._lo += n
+        return out
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes once any are there; b"" at EOF."""
+        while self._lo == self._hi and not self._eof:
+            await self._wait(1)
+        if self._lo == self._hi and self._error is not None:
+            raise self._error
+        end = self._hi if n < 0 else min(self._hi, self._lo + n)
+        out = bytes(self._buf[self._lo : end])
+        self._lo = end
+        return out
+
+    def at_eof(self) -> bool:
+        return self._eof and self._lo == self._hi
+
+    async def _read_direct(self, n: int) -> bytearray:
+        out = bytearray(n)
+        have = min(n, self._hi - self._lo)
+        out[:have] = self._buf[self._lo : self._lo + have]
+        self._lo += have
+        if have == n:
+            return out
+        self._dest, self._filled = memoryview(out), have
+        try:
+            while self._filled < n:
+                self._check_open(out[: self._filled], n)
+                await self._wait(0)
+        finally:
+            self._dest = None  # not released: the transport may still hold a slice of it
+        return out
+
+    def _check_open(self, partial, n: int) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._eof:
+            raise asyncio.IncompleteReadError(bytes(partial), n)
+
+    async def _wait(self, want: int) -> None:
+        self._want = want
+        self._waiter = asyncio.get_running_loop().create_future()
+        if self._paused:
+            self._paused = False
+            self._transport.resume_reading()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _append(self, data: bytes) -> None:
+        self._compact(len(data))
+        self._buf[self._hi : self._hi + len(data)] = data
+        self._hi += len(data)
+
+    def _compact(self, spare: int) -> None:
+        """Move our bytes to the front of a buffer with at least ``spare`` free bytes after them.
+
+        Always a new bytearray: the transport may still hold a view of the old one."""
+        held = self._hi - self._lo
+        buf = bytearray(max(len(self._buf), held + spare))
+        buf[:held] = self._buf[self._lo : self._hi]
+        self._buf, self._lo, self._hi = buf, 0, held

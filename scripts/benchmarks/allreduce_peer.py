@@ -306,7 +306,9 @@ def main() -> int:
     out = Path(args.workdir) / f"peer{args.index}.json"
     started = time.time()
     if args.mode == "gonka":
-        result = asyncio.run(run_gonka(args, x, deadline))
+        import uvloop  # the event loop a gonka-node runs on (node/daemon.py)
+
+        result = uvloop.run(run_gonka(args, x, deadline))
     elif args.mode == "hivemind":
         result = run_hivemind(args, x, deadline)
     else:

@@ -375,3 +375,17 @@ def test_error_feedback_keeps_residual_when_encode_refuses():
     with pytest.raises(CodecError):
         ef.encode(get_codec("fp4"), x)
     assert torch.equal(ef.residual, torch.zeros(3))
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_decode_into_a_given_tensor_writes_the_same_values(name):
+    codec = get_codec(name)
+    x = torch.randn(3 * 256 + 17)
+    payload = codec.encode(x)
+    whole = torch.full((2000,), 7.0)
+    into = codec.decode(payload, x.numel(), whole[100 : 100 + x.numel()])
+    assert into.data_ptr() == whole[100:].data_ptr()
+    assert torch.equal(whole[100 : 100 + x.numel()].view(torch.int32), codec.decode(payload, x.numel()).view(torch.int32))
+    assert torch.all(whole[:100] == 7.0) and torch.all(whole[100 + x.numel() :] == 7.0)
+    with pytest.raises(ValueError, match="out="):
+        codec.decode(payload, x.numel(), torch.empty(x.numel() + 1))

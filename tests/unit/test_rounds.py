@@ -11,10 +11,11 @@ from node.metrics import NodeMetrics
 from p2p.config import SwarmConfig
 from p2p.codecs import get_codec
 from p2p.compression import average_part, part_bounds, piece_bounds
-from p2p.group import Group, RoundFailed
+from p2p.group import Group, RoundFailed, digest, piece_digest
+import p2p.rounds
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
-from p2p.wire import write_frame
+from p2p.wire import WireError, write_frame
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -117,6 +118,11 @@ async def test_stranger_and_garbage_are_refused_and_counted():
                 break
             await asyncio.sleep(0.1)
         assert rejected(ma, "oversized_header") == 1
+
+        # A ready hint that is not one: refused and counted.
+        with pytest.raises(WireError):  # no answer: the stream is closed on it
+            await rs._call(a.peer_id, "ready", {"r": "soon"})
+        assert rejected(ma, "bad_field") == 1
 
         # The attacked peer still averages normally afterwards.
         stranger.announce(state="stopped")
@@ -285,3 +291,55 @@ async def test_group_refuses_duplicates_and_never_encodes_non_finite_input():
     flat[3] = float("nan")
     with pytest.raises(RoundFailed, match="non_finite_input"):
         group.encode_piece(0, 0)
+
+
+async def test_a_ready_hint_starts_the_round_before_the_leaders_next_poll(monkeypatch):
+    # The leader polls the peer table every POLL_SECONDS; the others tell it directly that
+    # they are ready, so it starts the round as soon as the last of them is.
+    monkeypatch.setattr(p2p.rounds, "POLL_SECONDS", 20.0)
+    peers = sorted(await start_peers(3, min_peers=3), key=lambda p: p[0].peer_id)
+    try:
+        for swarm, _, _ in peers:
+            await swarm.refresh_peers()
+        (_, leader, _), *others = peers
+        leading = asyncio.ensure_future(leader.average([torch.ones(4)], 1.0, 0))
+        for _ in range(100):  # the leader has read the table: the others are still training
+            if leader._waiting is not None and leader.swarm.peers:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        results = await asyncio.wait_for(asyncio.gather(leading, *(r.average([torch.zeros(4)], 1.0, 0)
+                                                                   for _, r, _ in others)), 15)
+        assert all(torch.equal(res[0], torch.full((4,), 1 / 3)) for res in results)
+        assert leader.last.status == "committed" and len(leader.last.members) == 3
+        assert leader.last.gather_seconds < 10, leader.last  # not a poll interval
+    finally:
+        await stop_peers(peers)
+
+
+def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    flat = torch.randn(2000)
+    codec = get_codec("fp32")
+    group = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, codec)
+    places = [(j, k) for j in range(2) for k in range(len(group.pieces[j]))]
+    assert len(places) > 4
+    for j, k in reversed(places):  # arrival order does not matter
+        start, end = group.pieces[j][k]
+        if (j, k) != places[0]:
+            group.place_piece(j, k, codec.encode(flat[start:end]))
+    with pytest.raises(AssertionError):
+        group.digest()  # a piece is missing
+    start, end = group.pieces[0][0]
+    group.place_piece(0, 0, codec.encode(flat[start:end]))
+    assert torch.equal(group.result, flat)
+    vote = group.digest()
+    assert vote == digest([piece_digest(flat[s:e]) for j in range(2) for s, e in group.pieces[j]], group.id)
+    other = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, codec)
+    changed = flat.clone()
+    changed[1999] += 1.0
+    for j, k in places:
+        start, end = other.pieces[j][k]
+        other.place_piece(j, k, codec.encode(changed[start:end]))
+    assert other.digest() != digest([piece_digest(flat[s:e]) for j in range(2) for s, e in other.pieces[j]], other.id)
+    assert other.digest() == digest([piece_digest(changed[s:e]) for j in range(2) for s, e in other.pieces[j]], other.id)
