@@ -3,21 +3,15 @@
 A round on this peer goes: announce ``ready`` for round r in the DHT (and
 tell the peer it expects to lead directly, so the leader need not wait for
 its next DHT poll to see it); wait until every live peer of round r is ready
-(or ``gather_timeout``); the ready peer with the smallest id leads and sends ``begin`` with the sorted member
-list to the others; every member must accept, else the attempt is cancelled
-and retried without the silent ones. Members then run the butterfly
-all-reduce of ``group.py`` over libp2p streams and vote on the digest of the
-result. Any failure (a member dead, slow, refusing, or sending garbage) fails
-the attempt on every member that hears of it: they apply nothing and retry
-with the survivors. A peer that finds the swarm already past its round
-returns ``behind``, and the node re-syncs its state from peers.
-
-On the wire, member i opens one ``part`` stream to every other member j and
-sends a header (group, weight, sizes) and then its pieces of part j; on the
-same stream j sends back each averaged piece of part j as soon as every
-member's copy of that piece is in, or ``{"ok": false, "reason": ...}`` once
-the attempt failed. Both directions run at once, so averaged pieces travel
-while later pieces are still arriving.
+(or ``gather_timeout``); the ready peer with the smallest id leads and sends
+``begin`` with the sorted member list to the others; every member must
+accept, else the attempt is cancelled and retried without the silent ones.
+Members then run the butterfly all-reduce of ``group.py`` over libp2p streams
+(``exchange.py``) and vote on the digest of the result. Any failure (a member
+dead, slow, refusing, or sending garbage) fails the attempt on every member
+that hears of it: they apply nothing and retry with the survivors. A peer
+that finds the swarm already past its round returns ``behind``, and the node
+re-syncs its state from peers.
 
 Every request is checked against the group's member list; libp2p
 authenticates the remote peer id, so a stranger cannot contribute or vote.
@@ -26,7 +20,6 @@ authenticates the remote peer id, so a stranger cannot contribute or vote.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import time
@@ -38,9 +31,10 @@ from p2p import faults
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
+from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
 from p2p.swarm import Swarm, peer_id_from
-from p2p.wire import FrameReader, WireError, close_writer, field as hfield, linger, read_frame, write_frame
+from p2p.wire import FrameReader, WireError, close_writer, field as hfield, linger, read_frame, reply, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +87,7 @@ class RoundProtocol:
         self._hinted = asyncio.Event()
         self._hint_tasks: set[asyncio.Task] = set()
         self.last = RoundOutcome("none")
+        self.exchange = PartExchange(self._open, metrics, swarm.reject, self.deadlines)
 
     async def start(self) -> None:
         p2p = self.swarm.p2p
@@ -110,9 +105,9 @@ class RoundProtocol:
         return self.feedback
 
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
-        raw = await _off_loop(flatten, tensors)  # a copy of ~4 bytes per parameter: not on the event loop
+        raw = await off_loop(flatten, tensors)  # a copy of ~4 bytes per parameter: not on the event loop
         feedback = self.ensure_feedback(raw.numel())
-        flat = await _off_loop(feedback.compensate, raw) if feedback is not None else raw
+        flat = await off_loop(feedback.compensate, raw) if feedback is not None else raw
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future())
@@ -271,80 +266,17 @@ class RoundProtocol:
     async def _allreduce(self, group: Group) -> torch.Tensor:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadlines.deadline()
-        exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
-        own = [self._contribute_own(group), group.all_reduced(deadline)]
-        await _all_or_fail([asyncio.ensure_future(c) for c in [*own, *exchanges]], group)
+        await self.exchange.run(group, deadline)
         vote = group.digest()
         group.add_vote(group.index, vote)
         header = {"g": group.id, "digest": vote}
         others = [p for p in group.members if p != group.me]
         sends = [asyncio.ensure_future(self._call(p, "vote", header)) for p in others]
         agreed = asyncio.ensure_future(group.agreed(deadline))
-        await _all_or_fail([*sends, agreed], group)
+        await all_or_fail([*sends, agreed], group)
         if not agreed.result():
             raise RoundFailed("digest_mismatch")
         return group.result
-
-    async def _exchange(self, group: Group, j: int, deadline: float) -> None:
-        """Stream our pieces of member j's part to j while j streams the averaged pieces back."""
-        _, reader, writer = await self._open(group.members[j], "part")
-        try:
-            header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel()}
-            self.metrics.sent_bytes.inc(await write_frame(writer, header))
-            sending = asyncio.ensure_future(self._send_pieces(group, j, writer))
-            receiving = asyncio.ensure_future(self._receive_average(group, j, reader, deadline))
-            await _all_or_fail([sending, receiving], group)
-        finally:
-            await close_writer(writer)
-
-    async def _send_pieces(self, group: Group, j: int, writer) -> None:
-        """Our contribution to part j, piece by piece (encoded off the event loop)."""
-        for k in range(len(group.pieces[j])):
-            payload = await _off_loop(group.encode_piece, j, k)
-            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
-        faults.checkpoint("reduce", group.round + 1, len(group.members))
-
-    async def _receive_average(self, group: Group, j: int, reader, deadline: float) -> None:
-        """Member j's averaged pieces of its part, into our result; count whatever is malformed."""
-        for k in range(len(group.pieces[j])):
-            expected = group.piece_bytes(j, k)
-            try:
-                header, payload = await self._read_payload(reader, expected, deadline)
-            except WireError as e:
-                if e.reason in _MALFORMED:  # not for a peer that is merely slow or gone
-                    self.swarm.reject(e.reason, str(e))
-                raise
-            if header.get("ok") is False:  # j gave up on the round, and says why
-                raise RoundFailed(str(header.get("reason", "peer_failed"))[:40])
-            try:
-                if len(payload) != expected:
-                    raise WireError("bad_size", f"averaged piece of {len(payload)} bytes, expected {expected}")
-                await _off_loop(group.place_piece, j, k, payload)
-            except (WireError, RoundFailed) as e:
-                self.swarm.reject(e.reason, str(e))
-                raise
-        faults.checkpoint("gather", group.round + 1, len(group.members))
-
-    async def _read_payload(self, reader, nbytes: int, deadline: float) -> tuple[dict, bytes]:
-        """One frame of at most ``nbytes`` payload bytes, within the round's deadline."""
-        loop = asyncio.get_running_loop()
-        header, payload = await read_frame(reader, max(0.1, deadline - loop.time()), max_payload=nbytes)
-        self.metrics.received_bytes.inc(len(payload))
-        return header, payload
-
-    async def _contribute_own(self, group: Group) -> None:
-        """Our own slice of our part: encoded like everyone's, so we average what we send."""
-        for k, (start, end) in enumerate(group.pieces[group.index]):
-            await _off_loop(group.encode_piece, group.index, k)
-            await self._add_piece(group, group.index, k, group.sent[start:end])
-
-    async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor) -> None:
-        """Store a piece of our part; the contribution that completes piece k averages it."""
-        if group.add_piece(sender, k, values):
-            try:
-                group.set_reduced(k, await _off_loop(group.reduce_piece, k))
-            except RoundFailed as e:  # not the sender's fault: fail the round, not the stream
-                group.fail(e.reason, str(e))
 
     async def _broadcast_abort(self, group: Group, reason: str) -> None:
         others = [p for p in group.members if p != group.me]
@@ -387,7 +319,7 @@ class RoundProtocol:
                 self.swarm.reject(e.reason, str(e))
             except RoundFailed as e:
                 self.swarm.reject(e.reason, str(e))
-                await _reply(writer, {"ok": False, "reason": e.reason})
+                await reply(writer, {"ok": False, "reason": e.reason})
             except (ConnectionError, OSError):
                 pass
             except asyncio.CancelledError:
@@ -431,57 +363,21 @@ class RoundProtocol:
         if sender != members[0] or self.swarm.peer_id not in members:
             raise RoundFailed("not_a_member")
         if waiting is None or waiting.round != round or waiting.group.done():
-            await _reply(writer, {"ok": False, "reason": "not_waiting"})
+            await reply(writer, {"ok": False, "reason": "not_waiting"})
             return
         if numel != waiting.flat.numel():
             raise RoundFailed("bad_size")
         if header.get("codec") != self.codec.name:
-            await _reply(writer, {"ok": False, "reason": "codec_mismatch"})
+            await reply(writer, {"ok": False, "reason": "codec_mismatch"})
             return
         group = Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec)
         self._install(group)
         waiting.group.set_result(group)
-        await _reply(writer, {"ok": True})
+        await reply(writer, {"ok": True})
 
     async def _on_part(self, sender: str, header: dict, reader, writer) -> None:
         group, index = await self._group_for(sender, header)
-        weight = hfield(header, "w", float)
-        nbytes = hfield(header, "nbytes", int)
-        try:
-            if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.wire_bytes(group.index):
-                raise RoundFailed("bad_size")
-            group.add_weight(index, weight)
-        except RoundFailed as e:
-            group.fail(e.reason)
-            raise
-        deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
-        receiving = asyncio.ensure_future(self._receive_pieces(group, index, reader, deadline))
-        try:
-            async with asyncio.timeout_at(deadline):  # also bounds writes to a requester that stopped reading
-                for k in range(len(group.reduced)):
-                    data = await group.reduced_piece(k, deadline)
-                    self.metrics.sent_bytes.inc(await write_frame(writer, {}, data))
-        except (RoundFailed, TimeoutError) as e:
-            if receiving.done() and not receiving.cancelled() and receiving.exception() is not None:
-                raise receiving.exception() from None  # the sender's own input failed the round: count it
-            await _reply(writer, {"ok": False, "reason": getattr(e, "reason", "timeout")})
-        finally:
-            receiving.cancel()
-            await asyncio.gather(receiving, return_exceptions=True)
-
-    async def _receive_pieces(self, group: Group, index: int, reader, deadline: float) -> None:
-        """Member ``index``'s pieces of our part; anything wrong fails the round at once."""
-        try:
-            for k in range(len(group.reduced)):
-                expected = group.piece_bytes(group.index, k)
-                _, payload = await self._read_payload(reader, expected, deadline)
-                if len(payload) != expected:
-                    raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {expected}")
-                values = await _off_loop(group.decode_piece, k, payload)
-                await self._add_piece(group, index, k, values)
-        except (WireError, RoundFailed) as e:
-            group.fail(e.reason, str(e))
-            raise
+        await self.exchange.serve(group, index, header, reader, writer)
 
     async def _on_ready(self, sender: str, header: dict, reader, writer) -> None:
         round = hfield(header, "r", int)
@@ -490,7 +386,7 @@ class RoundProtocol:
             if len(self._ready_hints) > 4096:  # bounded, whoever sends hints
                 self._ready_hints.pop(next(iter(self._ready_hints)))
             self._hinted.set()
-        await _reply(writer, {"ok": True})
+        await reply(writer, {"ok": True})
 
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
         group, index = await self._group_for(sender, header)
@@ -498,51 +394,8 @@ class RoundProtocol:
             group.fail("aborted_by_peer", str(header["abort"])[:40])
         else:
             group.add_vote(index, hfield(header, "digest", bytes))
-        await _reply(writer, {"ok": True})
-
-
-# One worker thread runs the rounds' tensor work (encode, decode, average, digest): the
-# event loop keeps every stream moving meanwhile, and pieces never compete with each
-# other for the cores (inside each op torch still uses its intra-op threads).
-_TENSOR_WORK = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gonka-allreduce")
-
-
-async def _off_loop(fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(_TENSOR_WORK, fn, *args)
+        await reply(writer, {"ok": True})
 
 
 class _Behind(Exception):
     pass
-
-
-# Frames a peer got wrong (counted as rejected), as opposed to a peer that was slow or gone.
-_MALFORMED = frozenset({"oversized_header", "oversized_payload", "bad_header"})
-
-
-async def _reply(writer, header: dict) -> None:
-    try:
-        await write_frame(writer, header)
-    except (ConnectionError, OSError):
-        pass
-
-
-async def _all_or_fail(tasks: list[asyncio.Future], group: Group) -> None:
-    """Await all tasks; on the first failure cancel the rest, fail the group, raise RoundFailed."""
-    try:
-        for fut in asyncio.as_completed(tasks):
-            await fut
-    except BaseException as e:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if isinstance(e, asyncio.CancelledError):
-            raise
-        if isinstance(e, (RoundFailed, WireError)):
-            reason = e.reason
-        elif isinstance(e, (ConnectionError, OSError, asyncio.IncompleteReadError)):
-            reason = "connection_lost"
-        else:
-            log.exception("unexpected error in a round")
-            reason = "error"
-        group.fail(reason, str(e))
-        raise RoundFailed(reason, str(e)[:200]) from None

@@ -76,6 +76,14 @@ async def read_frame(
     return header, payload
 
 
+async def reply(writer: asyncio.StreamWriter, header: dict[str, Any]) -> None:
+    """Answer with a header-only frame; a requester that is already gone is no error."""
+    try:
+        await write_frame(writer, header)
+    except (ConnectionError, OSError):
+        pass
+
+
 def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     """Return ``header[name]`` if it has the expected type, else raise WireError."""
     value = header.get(name)

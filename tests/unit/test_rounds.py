@@ -226,7 +226,7 @@ async def test_averaged_pieces_flow_back_before_the_input_is_complete(monkeypatc
             await write_frame(writer, {}, group.encode_piece(j, k))
 
     monkeypatch.setattr(Group, "place_piece", placing)
-    rb._send_pieces = slow_last_piece
+    rb.exchange._send_pieces = slow_last_piece
     try:
         x, y = torch.randn(4096), torch.randn(4096)
         res = await asyncio.wait_for(asyncio.gather(ra.average([x], 1.0, 0), rb.average([y], 1.0, 0)), 60)
@@ -257,7 +257,7 @@ async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason,
                     payload += b"\0"
             await write_frame(writer, {}, bytes(payload))
 
-    rb._send_pieces = damaged_second_piece
+    rb.exchange._send_pieces = damaged_second_piece
     try:
         inputs = [torch.randn(3000) for _ in range(3)]
         res = await asyncio.wait_for(asyncio.gather(
@@ -268,7 +268,7 @@ async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason,
         assert all(r.feedback.residual.abs().max() == 0 for r in (ra, rb, rc))  # only a commit consumes it
 
         # The same members then average normally.
-        del rb._send_pieces
+        del rb.exchange._send_pieces
         res = await asyncio.wait_for(asyncio.gather(
             *(r.average([x], 1.0, 0) for r, x in zip((ra, rb, rc), inputs))), 60)
         assert all(r is not None and torch.equal(r[0], res[0][0]) for r in res), [r.last for r in (ra, rb, rc)]

@@ -1,0 +1,186 @@
+"""The data half of a round: the butterfly all-reduce's streams for one agreed group.
+
+On the wire, member i opens one ``part`` stream to every other member j and
+sends a header (group, weight, sizes) and then its pieces of part j; on the
+same stream j sends back each averaged piece of part j as soon as every
+member's copy of that piece is in, or ``{"ok": false, "reason": ...}`` once
+the attempt failed. Both directions run at once, so averaged pieces travel
+while later pieces are still arriving. ``RoundProtocol`` (rounds.py) forms the
+group, hands the streams of its members here, and runs the vote afterwards.
+
+The tensor work runs on one worker thread (``off_loop``) while the event loop
+keeps every stream moving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+
+import torch
+
+from p2p import faults
+from p2p.group import Group, RoundFailed
+from p2p.wire import WireError, close_writer, field as hfield, read_frame, reply, write_frame
+
+log = logging.getLogger(__name__)
+
+
+class PartExchange:
+    """Moves one group's parts: ``run`` from the requester's side, ``serve`` from the owner's."""
+
+    def __init__(self, open_stream, metrics, reject, deadlines) -> None:
+        """``open_stream(peer, "part")`` opens a stream to a member; ``reject(reason, detail)`` counts
+        malformed input; ``deadlines.deadline()`` bounds an owner's side of the exchange."""
+        self._open_stream = open_stream
+        self.metrics = metrics
+        self._reject = reject
+        self.deadlines = deadlines
+
+    async def run(self, group: Group, deadline: float) -> None:
+        """Return once ``group.result`` holds the whole average (every member's part placed)."""
+        exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
+        own = [self._contribute_own(group), group.all_reduced(deadline)]
+        await all_or_fail([asyncio.ensure_future(c) for c in [*own, *exchanges]], group)
+
+    async def _exchange(self, group: Group, j: int, deadline: float) -> None:
+        """Stream our pieces of member j's part to j while j streams the averaged pieces back."""
+        _, reader, writer = await self._open_stream(group.members[j], "part")
+        try:
+            header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel()}
+            self.metrics.sent_bytes.inc(await write_frame(writer, header))
+            sending = asyncio.ensure_future(self._send_pieces(group, j, writer))
+            receiving = asyncio.ensure_future(self._receive_average(group, j, reader, deadline))
+            await all_or_fail([sending, receiving], group)
+        finally:
+            await close_writer(writer)
+
+    async def _send_pieces(self, group: Group, j: int, writer) -> None:
+        """Our contribution to part j, piece by piece (encoded off the event loop)."""
+        for k in range(len(group.pieces[j])):
+            payload = await off_loop(group.encode_piece, j, k)
+            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
+        faults.checkpoint("reduce", group.round + 1, len(group.members))
+
+    async def _receive_average(self, group: Group, j: int, reader, deadline: float) -> None:
+        """Member j's averaged pieces of its part, into our result; count whatever is malformed."""
+        for k in range(len(group.pieces[j])):
+            expected = group.piece_bytes(j, k)
+            try:
+                header, payload = await self._read_payload(reader, expected, deadline)
+            except WireError as e:
+                if e.reason in MALFORMED:  # not for a peer that is merely slow or gone
+                    self._reject(e.reason, str(e))
+                raise
+            if header.get("ok") is False:  # j gave up on the round, and says why
+                raise RoundFailed(str(header.get("reason", "peer_failed"))[:40])
+            try:
+                if len(payload) != expected:
+                    raise WireError("bad_size", f"averaged piece of {len(payload)} bytes, expected {expected}")
+                await off_loop(group.place_piece, j, k, payload)
+            except (WireError, RoundFailed) as e:
+                self._reject(e.reason, str(e))
+                raise
+        faults.checkpoint("gather", group.round + 1, len(group.members))
+
+    async def _read_payload(self, reader, nbytes: int, deadline: float) -> tuple[dict, bytes]:
+        """One frame of at most ``nbytes`` payload bytes, within the round's deadline."""
+        loop = asyncio.get_running_loop()
+        header, payload = await read_frame(reader, max(0.1, deadline - loop.time()), max_payload=nbytes)
+        self.metrics.received_bytes.inc(len(payload))
+        return header, payload
+
+    async def _contribute_own(self, group: Group) -> None:
+        """Our own slice of our part: encoded like everyone's, so we average what we send."""
+        for k, (start, end) in enumerate(group.pieces[group.index]):
+            await off_loop(group.encode_piece, group.index, k)
+            await self._add_piece(group, group.index, k, group.sent[start:end])
+
+    async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor) -> None:
+        """Store a piece of our part; the contribution that completes piece k averages it."""
+        if group.add_piece(sender, k, values):
+            try:
+                group.set_reduced(k, await off_loop(group.reduce_piece, k))
+            except RoundFailed as e:  # not the sender's fault: fail the round, not the stream
+                group.fail(e.reason, str(e))
+
+
+    async def serve(self, group: Group, index: int, header: dict, reader, writer) -> None:
+        """Member ``index`` of ``group`` opened a part stream to us (header read): take its pieces of
+        our part and stream the averaged pieces back."""
+        weight = hfield(header, "w", float)
+        nbytes = hfield(header, "nbytes", int)
+        try:
+            if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.wire_bytes(group.index):
+                raise RoundFailed("bad_size")
+            group.add_weight(index, weight)
+        except RoundFailed as e:
+            group.fail(e.reason)
+            raise
+        deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
+        receiving = asyncio.ensure_future(self._receive_pieces(group, index, reader, deadline))
+        try:
+            async with asyncio.timeout_at(deadline):  # also bounds writes to a requester that stopped reading
+                for k in range(len(group.reduced)):
+                    data = await group.reduced_piece(k, deadline)
+                    self.metrics.sent_bytes.inc(await write_frame(writer, {}, data))
+        except (RoundFailed, TimeoutError) as e:
+            if receiving.done() and not receiving.cancelled() and receiving.exception() is not None:
+                raise receiving.exception() from None  # the sender's own input failed the round: count it
+            await reply(writer, {"ok": False, "reason": getattr(e, "reason", "timeout")})
+        finally:
+            receiving.cancel()
+            await asyncio.gather(receiving, return_exceptions=True)
+
+    async def _receive_pieces(self, group: Group, index: int, reader, deadline: float) -> None:
+        """Member ``index``'s pieces of our part; anything wrong fails the round at once."""
+        try:
+            for k in range(len(group.reduced)):
+                expected = group.piece_bytes(group.index, k)
+                _, payload = await self._read_payload(reader, expected, deadline)
+                if len(payload) != expected:
+                    raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {expected}")
+                values = await off_loop(group.decode_piece, k, payload)
+                await self._add_piece(group, index, k, values)
+        except (WireError, RoundFailed) as e:
+            group.fail(e.reason, str(e))
+            raise
+
+
+# One worker thread runs the rounds' tensor work (encode, decode, average, digest): the
+# event loop keeps every stream moving meanwhile, and pieces never compete with each
+# other for the cores (inside each op torch still uses its intra-op threads).
+_TENSOR_WORK = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gonka-allreduce")
+
+
+async def off_loop(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(_TENSOR_WORK, fn, *args)
+
+
+
+# Frames a peer got wrong (counted as rejected), as opposed to a peer that was slow or gone.
+MALFORMED = frozenset({"oversized_header", "oversized_payload", "bad_header"})
+
+
+
+async def all_or_fail(tasks: list[asyncio.Future], group: Group) -> None:
+    """Await all tasks; on the first failure cancel the rest, fail the group, raise RoundFailed."""
+    try:
+        for fut in asyncio.as_completed(tasks):
+            await fut
+    except BaseException as e:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        if isinstance(e, (RoundFailed, WireError)):
+            reason = e.reason
+        elif isinstance(e, (ConnectionError, OSError, asyncio.IncompleteReadError)):
+            reason = "connection_lost"
+        else:
+            log.exception("unexpected error in a round")
+            reason = "error"
+        group.fail(reason, str(e))
+        raise RoundFailed(reason, str(e)[:200]) from None
