@@ -239,6 +239,8 @@ class RoundProtocol:
         group = Group(os.urandom(16), round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec)
         self._install(group)
         waiting.group.set_result(group)
+        for p in members:  # a hint counts once: after this attempt a member is ready again only when it says so
+            self._ready_hints.pop(p, None)
         others = [p for p in members if p != self.swarm.peer_id]
         header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
                   "codec": self.codec.name}

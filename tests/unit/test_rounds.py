@@ -343,3 +343,23 @@ def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
         other.place_piece(j, k, codec.encode(changed[start:end]))
     assert other.digest() != digest([piece_digest(flat[s:e]) for j in range(2) for s, e in other.pieces[j]], other.id)
     assert other.digest() == digest([piece_digest(changed[s:e]) for j in range(2) for s, e in other.pieces[j]], other.id)
+
+
+async def test_a_ready_hint_counts_for_one_attempt_only():
+    # A member that refused (it was between attempts) must say it is ready again before
+    # the leader counts it: otherwise leader and members can miss each other forever.
+    peers = sorted(await start_peers(2, min_peers=2), key=lambda p: p[0].peer_id)
+    (a, ra, _), (b, rb, _) = peers
+    try:
+        await a.refresh_peers()
+        ra._ready_hints[b.peer_id] = 0
+        ra._waiting = p2p.rounds._Waiting(0, torch.zeros(4), 1.0, asyncio.get_running_loop().create_future())
+        assert await ra._lead(0, sorted([a.peer_id, b.peer_id])) is None  # b is not waiting: it refuses
+        assert b.peer_id not in ra._ready_hints
+        ra._waiting = None
+        # Both enter the round: b hints again, and the round commits.
+        res = await asyncio.wait_for(asyncio.gather(ra.average([torch.ones(3)], 1.0, 0),
+                                                    rb.average([torch.zeros(3)], 1.0, 0)), 30)
+        assert all(r is not None and torch.equal(r[0], torch.full((3,), 0.5)) for r in res)
+    finally:
+        await stop_peers(peers)
