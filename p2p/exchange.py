@@ -105,7 +105,6 @@ class PartExchange:
             except RoundFailed as e:  # not the sender's fault: fail the round, not the stream
                 group.fail(e.reason, str(e))
 
-
     async def serve(self, group: Group, index: int, header: dict, reader, writer) -> None:
         """Member ``index`` of ``group`` opened a part stream to us (header read): take its pieces of
         our part and stream the averaged pieces back."""

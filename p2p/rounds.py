@@ -20,6 +20,7 @@ authenticates the remote peer id, so a stranger cannot contribute or vote.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -82,9 +83,10 @@ class RoundProtocol:
         self._group: Group | None = None
         self._group_set = asyncio.Event()
         self._suspects: dict[str, float] = {}
-        # Peers that told us directly they are ready for a round (peer -> round), and a wake-up.
+        # Peers that told us directly they are ready for a round (peer -> round).
         self._ready_hints: dict[str, int] = {}
-        self._hinted = asyncio.Event()
+        # Wakes a gather before its next poll: a hint came in, or a group was installed.
+        self._wake = asyncio.Event()
         self._hint_tasks: set[asyncio.Task] = set()
         self.last = RoundOutcome("none")
         self.exchange = PartExchange(self._open, metrics, swarm.reject, self.deadlines)
@@ -196,17 +198,15 @@ class RoundProtocol:
                 log.info("round %d: still gathering after %.0fs: %d ready, %d training, %d needed, table %s",
                          round + 1, reported - started, len(ready), len(training), self.min_peers,
                          "fresh" if self.swarm.table_fresh else "stale")
-            self._hinted.clear()
-            group_set = asyncio.ensure_future(asyncio.shield(self._waiting.group))
-            hint = asyncio.ensure_future(self._hinted.wait())
-            try:
-                await asyncio.wait([group_set, hint], timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                group_set.cancel()
-                hint.cancel()
+            if self._waiting.group.done():  # a leader's begin came in while we looked
+                return self._waiting.group.result()
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_SECONDS):
+                    await self._wake.wait()
             if self._waiting.group.done():
                 return self._waiting.group.result()
-            woken = self._hinted.is_set()
+            woken = self._wake.is_set()
 
     def _hint_leader(self, peers: dict, round: int, hinted_to: str | None, ready=()) -> str | None:
         """Hint the peer expected to lead ``round`` (unless that is us or it was hinted already); returns it."""
@@ -262,6 +262,7 @@ class RoundProtocol:
     def _install(self, group: Group) -> None:
         self._group = group
         self._group_set.set()
+        self._wake.set()
 
     # ---- all-reduce and vote ----------------------------------------------------------
 
@@ -387,7 +388,7 @@ class RoundProtocol:
             self._ready_hints[sender] = round
             if len(self._ready_hints) > 4096:  # bounded, whoever sends hints
                 self._ready_hints.pop(next(iter(self._ready_hints)))
-            self._hinted.set()
+            self._wake.set()
         await reply(writer, {"ok": True})
 
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:

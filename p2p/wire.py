@@ -149,8 +149,6 @@ class FrameReader(asyncio.BufferedProtocol):
     @classmethod
     def attach(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> "FrameReader":
         """Take over the transport of ``reader``/``writer``, keeping whatever ``reader`` has buffered."""
-        if isinstance(reader, FrameReader):
-            return reader
         transport = writer.transport
         self = cls(transport, transport.get_protocol())
         # StreamReader has no public way to hand over its buffer; _buffer has held it since Python 3.4.
