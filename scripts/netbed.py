@@ -13,6 +13,16 @@ Measured TCP goodput (`scripts/testbed measure`) is ~95.6% of nominal, the
 payload share of a full frame; at 1gbit the 2-core machine's CPU, handling
 one frame per packet, held it to 80-86%.
 
+Every host's route to the others pins TCP's congestion control (`congctl`,
+default cubic, Linux's stock default) instead of inheriting whatever the
+machine's root namespace uses: figures must not depend on a sysctl of the
+machine they were taken on. This matters here: the development VM defaults to
+bbr, whose bandwidth estimate on veth behind tbf read 3.9 Gbit/s on 100 Mbit/s
+links (`ss -ti`), and flows through the shapers stalled for 100 ms at a time
+(a 4-host fp32 all-reduce, medians of runs of one day: 14.2-14.9 s with
+bbr, 13.3-14.4 s with cubic).
+`congestion="bbr"` measures that case on purpose.
+
 The testbed models bandwidth only. The kernel here has no netem, and a
 user-space delay line would cost the 2-core machine the CPU it measures with;
 the round-trip time is that of veth (tens of microseconds) plus whatever the
@@ -56,6 +66,9 @@ QUEUE_LATENCY = "50ms"
 # 1448 of every 1514 bytes are payload.
 MIN_BURST = 16 * 1024
 BURST_SECONDS = 0.004
+# TCP congestion control of every host (see the docstring); a non-root namespace may choose
+# its default only from tcp_allowed_congestion_control, a route's congctl from any loaded one.
+DEFAULT_CONGESTION = "cubic"
 GRACE_SECONDS = 3.0  # how long processes get between SIGTERM and SIGKILL at teardown
 
 _PREFIX = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
@@ -93,6 +106,14 @@ def parse_size(text: str) -> int:
 def burst_for(rate_bps: int) -> int:
     """The tbf bucket used for a rate (see MIN_BURST)."""
     return max(MIN_BURST, int(rate_bps / 8 * BURST_SECONDS))
+
+
+def available_congestion_controls() -> set[str]:
+    """TCP congestion controls this kernel has loaded (what a route's ``congctl`` may name)."""
+    try:
+        return set(Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split())
+    except OSError:
+        return {DEFAULT_CONGESTION}
 
 
 def require_root() -> None:
@@ -272,18 +293,24 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, hosts: int, rate: str = "100mbit", rates: list[str] | None = None,
-                 prefix: str = "gnk", burst: str | None = None, force: bool = False):
+                 prefix: str = "gnk", burst: str | None = None, force: bool = False,
+                 congestion: str = DEFAULT_CONGESTION):
         if not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be 1-{MAX_HOSTS}, got {hosts!r}")
         if not isinstance(prefix, str) or len(prefix) > 24 or not _PREFIX.fullmatch(prefix):
             raise ValueError(f"prefix must be 1-24 characters of a-z 0-9 and inner dashes, "
                              f"starting with a letter, got {prefix!r}")
+        available = available_congestion_controls()
+        if congestion not in available:
+            raise ValueError(f"congestion must be one of this kernel's {', '.join(sorted(available))}, "
+                             f"got {congestion!r}")
         rates = list(rates) if rates is not None else [rate] * hosts
         if len(rates) != hosts:
             raise ValueError(f"rates has {len(rates)} entries for {hosts} hosts")
         self.prefix = prefix
         self.rates = [parse_rate(r) for r in rates]  # bits/s per host
         self._burst = parse_size(burst) if burst is not None else None
+        self.congestion = congestion
         self.force = force
         self._hosts = hosts
         self._created: list[str] = []  # namespaces this instance made, in creation order
@@ -390,10 +417,13 @@ class Testbed:
         _cmd("tc", "-n", self.switch, "qdisc", "replace", "dev", port, *shaper)  # download
         _cmd("ip", "-n", self.switch, "link", "set", port, "up")
         _cmd("ip", "-n", ns, "link", "set", "eth0", "up")
+        # The connected route again, with the congestion control every TCP connection of this host uses.
+        _cmd("ip", "-n", ns, "route", "replace", f"{SUBNET}0/24", "dev", "eth0", "proto", "kernel", "scope", "link",
+             "src", self.host_ip(i), "congctl", self.congestion)
 
     def _save_marker(self) -> None:
         data = {"pid": os.getpid(), "start": _start_time(os.getpid()), "kept": False, "hosts": self._hosts,
-                "rates": [f"{r}bit" for r in self.rates], "ips": [self.host_ip(i) for i in range(self._hosts)],
+                "rates": [f"{r}bit" for r in self.rates], "congestion": self.congestion, "ips": [self.host_ip(i) for i in range(self._hosts)],
                 "namespaces": self._created, "created": time.time()}
         if self._kept:
             data.update(pid=None, start=None, kept=True)

@@ -1,7 +1,9 @@
 """Benchmark ``allreduce``: one outer sync on a rate-limited testbed, gonka-node vs hivemind vs gloo.
 
 Each configuration (system + codec) gets a fresh ``netbed.Testbed`` of
-``--peers`` hosts, every host capped at ``--rate`` both ways, and one process
+``--peers`` hosts, every host capped at ``--rate`` both ways and using TCP
+``--congestion`` (cubic unless asked otherwise, whatever the machine's own
+default: see scripts/netbed.py), and one process
 per host (``allreduce_peer.py``). Each peer averages its own fp32
 pseudo-gradient of ``--params`` normal values ``--repeats`` times; the
 medians are reported:
@@ -90,9 +92,20 @@ def rate_arg(text: str) -> str:
     return text
 
 
+def congestion_arg(text: str) -> str:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from netbed import available_congestion_controls
+
+    if text not in available_congestion_controls():
+        raise argparse.ArgumentTypeError(f"not one of this kernel's {', '.join(sorted(available_congestion_controls()))}")
+    return text
+
+
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--peers", type=positive_int, default=4, help="testbed hosts, one peer each (default 4)")
     group.add_argument("--rate", type=rate_arg, default="100mbit", help="every host's link, both ways (default 100mbit)")
+    group.add_argument("--congestion", type=congestion_arg, default="cubic",
+                       help="TCP congestion control of every testbed host (default cubic; see scripts/netbed.py)")
     group.add_argument("--params", type=positive_int, help="fp32 elements averaged (default 25,000,000; 5,000,000 with --quick)")
     group.add_argument("--repeats", type=positive_int, help="syncs per configuration, median reported (default 3; 1 with --quick)")
     group.add_argument("--systems", default="gonka-node,hivemind,gloo",
@@ -162,7 +175,8 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     try:
-        with netbed.Testbed(args.peers, rate=args.rate, prefix=f"ar{os.getpid()}-{tag}") as tb:
+        with netbed.Testbed(args.peers, rate=args.rate, prefix=f"ar{os.getpid()}-{tag}",
+                            congestion=args.congestion) as tb:
             procs, logs = [], []
             for i in range(args.peers):  # peer 0 first: the others bootstrap from it
                 log = workdir / f"peer{i}.log"
@@ -305,9 +319,10 @@ def run(args: argparse.Namespace) -> dict:
             notes.append(f"{system}/{codec}: relative error {row['rel_error']:.3g} above tolerance "
                          f"{TOLERANCE.get(codec)}")
     png = args.out / "allreduce.png"
-    plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each")
+    plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each "
+                    f"(TCP {args.congestion})")
     notes.append(f"plot: {png}")
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "plot": str(png),
-            "config": {"peers": args.peers, "rate": args.rate, "params": args.params, "repeats": args.repeats,
+            "config": {"peers": args.peers, "rate": args.rate, "congestion": args.congestion, "params": args.params, "repeats": args.repeats,
                        "peer_timeout": timeout, "tolerance": TOLERANCE},
             "load_average": os.getloadavg(), "peers_raw": raw}

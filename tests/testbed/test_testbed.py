@@ -168,3 +168,38 @@ def test_two_node_swarm_trains_across_the_testbed(tmp_path):
         final = [json.loads(s.read_text()) for s in status]
         assert [s["round"] for s in final] == [2, 2], final
         assert final[0]["params_hash"] == final[1]["params_hash"], final
+
+
+CONGESTION_PROBE = """
+import socket, sys
+role, ip, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if role == "listen":
+    with socket.create_server((ip, port)) as server:
+        print("ready", flush=True)
+        conn, _ = server.accept()
+else:
+    conn = socket.create_connection((ip, port), timeout=10)
+print(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode(), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("congestion", ["cubic", "reno"])
+def test_every_connection_uses_the_pinned_congestion_control(congestion):
+    # Not the machine's own default (bbr on the development VM): both ends of a connection use the testbed's.
+    with netbed.Testbed(2, prefix=prefix(f"cc{congestion}"), congestion=congestion) as tb:
+        listener = tb.run(1, [sys.executable, "-c", CONGESTION_PROBE, "listen", tb.host_ip(1), "5301"],
+                          stdout=subprocess.PIPE, text=True)
+        assert listener.stdout.readline().strip() == "ready"
+        dialer = subprocess.run(["ip", "netns", "exec", tb.namespace(0), sys.executable, "-c", CONGESTION_PROBE,
+                                 "dial", tb.host_ip(1), "5301"], capture_output=True, text=True, timeout=20)
+        accepted = listener.communicate(timeout=20)[0].strip()
+        assert (dialer.stdout.strip(), accepted) == (congestion, congestion), dialer.stderr
+
+
+@pytest.mark.timeout(10)
+def test_an_unknown_congestion_control_is_refused_before_anything_is_created():
+    p = prefix("ccbad")
+    with pytest.raises(ValueError, match="congestion"):
+        netbed.Testbed(2, prefix=p, congestion="no-such-cc")
+    assert leftovers(p) == []
