@@ -20,7 +20,7 @@ machine they were taken on. This matters here: the development VM defaults to
 bbr, whose bandwidth estimate on veth behind tbf read 3.9 Gbit/s on 100 Mbit/s
 links (`ss -ti`), and flows through the shapers stalled for 100 ms at a time
 (a 4-host fp32 all-reduce, medians of runs of one day: 14.2-14.9 s with
-bbr, 13.3-14.4 s with cubic).
+bbr, 13.3-14.6 s with cubic).
 `congestion="bbr"` measures that case on purpose.
 
 The testbed models bandwidth only. The kernel here has no netem, and a
@@ -108,12 +108,16 @@ def burst_for(rate_bps: int) -> int:
     return max(MIN_BURST, int(rate_bps / 8 * BURST_SECONDS))
 
 
-def available_congestion_controls() -> set[str]:
-    """TCP congestion controls this kernel has loaded (what a route's ``congctl`` may name)."""
+def check_congestion(name: str) -> str:
+    """``name`` if this kernel has that TCP congestion control loaded (what a route's ``congctl`` may
+    name), else ValueError."""
     try:
-        return set(Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split())
+        available = set(Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split())
     except OSError:
-        return {DEFAULT_CONGESTION}
+        available = {DEFAULT_CONGESTION}
+    if name not in available:
+        raise ValueError(f"congestion must be one of this kernel's {', '.join(sorted(available))}, got {name!r}")
+    return name
 
 
 def require_root() -> None:
@@ -300,17 +304,13 @@ class Testbed:
         if not isinstance(prefix, str) or len(prefix) > 24 or not _PREFIX.fullmatch(prefix):
             raise ValueError(f"prefix must be 1-24 characters of a-z 0-9 and inner dashes, "
                              f"starting with a letter, got {prefix!r}")
-        available = available_congestion_controls()
-        if congestion not in available:
-            raise ValueError(f"congestion must be one of this kernel's {', '.join(sorted(available))}, "
-                             f"got {congestion!r}")
         rates = list(rates) if rates is not None else [rate] * hosts
         if len(rates) != hosts:
             raise ValueError(f"rates has {len(rates)} entries for {hosts} hosts")
         self.prefix = prefix
         self.rates = [parse_rate(r) for r in rates]  # bits/s per host
         self._burst = parse_size(burst) if burst is not None else None
-        self.congestion = congestion
+        self.congestion = check_congestion(congestion)
         self.force = force
         self._hosts = hosts
         self._created: list[str] = []  # namespaces this instance made, in creation order
@@ -423,7 +423,8 @@ class Testbed:
 
     def _save_marker(self) -> None:
         data = {"pid": os.getpid(), "start": _start_time(os.getpid()), "kept": False, "hosts": self._hosts,
-                "rates": [f"{r}bit" for r in self.rates], "congestion": self.congestion, "ips": [self.host_ip(i) for i in range(self._hosts)],
+                "rates": [f"{r}bit" for r in self.rates], "congestion": self.congestion,
+                "ips": [self.host_ip(i) for i in range(self._hosts)],
                 "namespaces": self._created, "created": time.time()}
         if self._kept:
             data.update(pid=None, start=None, kept=True)
