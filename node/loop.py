@@ -101,6 +101,8 @@ class TrainingLoop:
         await asyncio.to_thread(self.worker.start_overlapped, delta)
         self.round_step = 0
         self.pending = asyncio.ensure_future(self.average_until_settled(delta, weight))
+        # Committed (the average already applied), behind, or stopping: a step waiting for it goes on.
+        self.pending.add_done_callback(lambda _: self.worker.settle())
 
     async def train_phase(self):
         """This round's inner steps: H of them, or (heterogeneous hosts) until the round's

@@ -115,8 +115,15 @@ class OuterConfig:
     # (Kale et al., arXiv 2502.12996). The global parameters stay bit-identical on all
     # peers in every mode: the preview is local, the outer step uses the committed average.
     overlap: str = "off"
+    # With overlap: the inner step of the next round (1 = its first) at which the local copy
+    # takes the round's committed average, waiting there for it if it has not landed yet;
+    # 0 = at the first step after it lands, never waiting. When an average lands depends on
+    # the network, so only a fixed step makes an overlapped run reproducible step for step
+    # (1 is a round without overlap; a step past the round's end means its end).
+    land_step: int = 0
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "outer.lr", f"must be > 0 (got {self.lr})")
+        require(self.land_step >= 0, "outer.land_step", f"must be >= 0 (got {self.land_step})")
         require(0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1) (got {self.momentum})")
         require(self.overlap in OVERLAP_MODES, "outer.overlap", f"must be one of {', '.join(OVERLAP_MODES)} (got {self.overlap!r})")

@@ -24,6 +24,9 @@ from trainer.model import build_model, context_length
 from trainer.outer import OuterOptimizer
 from trainer.schedule import inner_lr
 
+# outer.land_step: how often a step waiting for the round in flight checks whether to stop.
+LAND_POLL_SECONDS = 0.05
+
 
 @dataclass
 class InnerStats:
@@ -91,6 +94,11 @@ class DiLoCoWorker:
         # local copy at its next step (see apply_outer); the lock orders the two threads.
         self._lock = threading.Lock()
         self._rebase_due = False
+        # outer.land_step: steps taken since the round in flight was launched, and set once
+        # it has committed or given up (then the inner loop stops waiting for it).
+        self._steps_in_flight = 0
+        self._settled = threading.Event()
+        self._settled.set()
         self.sampler = ShardSampler(
             corpus,
             shard_key=shard_key,
@@ -113,6 +121,9 @@ class DiLoCoWorker:
         for _ in range(n):
             if should_stop is not None and should_stop():
                 break
+            if self._steps_in_flight + 1 == self.outer_cfg.land_step and not self._wait_settled(should_stop):
+                break
+            self._steps_in_flight += 1
             self._rebase_if_due()
             x, y = self.sampler.next_batch()
             lr = inner_lr(self.inner_step, self.inner_cfg)
@@ -141,6 +152,17 @@ class DiLoCoWorker:
         """Δ = start − θ_local, fp32 on CPU; the start is θ unless rounds overlap."""
         self._rebase_if_due()
         return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self._start(), self.model.parameters())]
+
+    def _wait_settled(self, should_stop: Callable[[], bool] | None) -> bool:
+        """outer.land_step: wait for the round in flight to commit (or give up); False if told to stop."""
+        while not self._settled.wait(LAND_POLL_SECONDS):
+            if should_stop is not None and should_stop():
+                return False
+        return True
+
+    def settle(self) -> None:
+        """The round in flight committed (after ``apply_outer``) or will not: stop waiting for it."""
+        self._settled.set()
 
     def _start(self) -> list[torch.Tensor]:
         """Where the local copy started this round: θ, or ``origin`` when rounds overlap."""
@@ -176,6 +198,7 @@ class DiLoCoWorker:
         """Discard local progress: θ_local ← θ (AdamW state stays)."""
         self.origin = None
         self._rebase_due = False
+        self._settled.set()
         for g, p in zip(self.global_params, self.model.parameters()):
             p.copy_(g)
 
@@ -201,6 +224,8 @@ class DiLoCoWorker:
                 p.copy_(s)
             self.origin = start
             self._rebase_due = False
+            self._steps_in_flight = 0
+            self._settled.clear()
 
     def _preview(self, g: list[torch.Tensor]) -> list[torch.Tensor]:
         """θ after one outer step with gradient g, leaving θ and the momentum untouched."""
@@ -323,6 +348,7 @@ class DiLoCoWorker:
             torch.cuda.set_rng_state(d["rng_cuda"], self.device)
         self.origin = None if d.get("origin") is None else [o.clone() for o in d["origin"]]
         self._rebase_due = False
+        self._settled.set()  # a loaded state has no round in flight
         self.round = d["round"]
         self.inner_step = d["inner_step"]
 

@@ -100,6 +100,7 @@ def test_env_text_conversion():
         ({}, {"node.device": "tpu"}, None, "node.device: must be one of cpu, cuda, auto"),
         ({}, {"node.log_level": "loud"}, None, "node.log_level: must be one of"),
         ({}, {"node.max_rounds": -1}, None, "node.max_rounds: must be >= 0"),
+        ({}, {"outer.land_step": -1}, None, "outer.land_step: must be >= 0 (got -1)"),
         ({}, {"inner.lr": "nan"}, None, "inner.lr: expected a finite number"),
     ],
 )

@@ -1,6 +1,7 @@
 """The in-process swarm: k workers learn together and stay bit-identical, also when one drops a round."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -186,3 +187,63 @@ def test_a_landing_average_moves_the_local_copy_by_what_theta_moved(corpus):
         assert torch.allclose(d, pr, atol=1e-6)  # the progress is kept
         assert torch.allclose(p.detach(), g - pr, atol=1e-6)  # now measured from the new θ
     assert all(torch.equal(o, g) for o, g in zip(w.origin, w.global_params))
+
+
+def test_land_step_waits_for_the_average_and_takes_it_at_that_step(corpus):
+    """outer.land_step=2: the step that would be the next round's 2nd waits for the round in
+    flight, so the local copy moves at exactly that step however late the average lands."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    def worker(land_step):
+        sim = make_sim(corpus, overlap="eager")
+        w = sim.workers[0]
+        w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=land_step)
+        w.inner_steps(2)
+        w.start_overlapped(w.pseudo_gradient())
+        return w
+
+    average = None
+
+    def land(w):
+        nonlocal average
+        average = average or [torch.full_like(g, 0.01) for g in w.global_params]
+        w.apply_outer(average, reset_local=False)
+        w.settle()
+
+    reference = worker(0)  # lands by hand between the 1st and 2nd step
+    reference.inner_steps(1)
+    land(reference)
+    reference.inner_steps(3)
+
+    waiting = worker(2)
+    first = waiting.inner_step
+    thread = threading.Thread(target=waiting.inner_steps, args=(4,))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while waiting.inner_step < first + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and waiting.inner_step == first + 1  # waiting at its 2nd step
+    land(waiting)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and waiting.inner_step == first + 4
+    for a, b in zip(waiting.model.parameters(), reference.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_land_step_wait_ends_on_stop_or_when_the_round_gives_up(corpus):
+    import dataclasses
+
+    sim = make_sim(corpus, overlap="eager")
+    w = sim.workers[0]
+    w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=1)
+    w.inner_steps(1)
+    w.start_overlapped(w.pseudo_gradient())
+    answers = iter([False])  # not at the loop's own check: while waiting for the round in flight
+    assert w.inner_steps(3, lambda: next(answers, True)).steps == 0  # told to stop while waiting: returns
+    before = w.inner_step
+    w.settle()  # the round in flight will not commit (behind, stopping): train on from the preview
+    assert w.inner_steps(2).steps == 2 and w.inner_step == before + 2
