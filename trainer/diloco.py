@@ -404,6 +404,7 @@ async def run_round_overlapped(
     stats = stats + worker.inner_steps(steps - first)
     delta = worker.pseudo_gradient()
     worker.start_overlapped(delta)
+    worker.settle()  # here land_after says when an average lands; outer.land_step is the node's
     task = asyncio.ensure_future(averager.average(delta, weight=float(stats.tokens), round=worker.round))
     return stats, committed, task
 
