@@ -121,10 +121,12 @@ class DiLoCoWorker:
         for _ in range(n):
             if should_stop is not None and should_stop():
                 break
-            if self._steps_in_flight + 1 == self.outer_cfg.land_step and not self._wait_settled(should_stop):
+            land_step = self.outer_cfg.land_step
+            if self._steps_in_flight + 1 == land_step and not self._wait_settled(should_stop):
                 break
             self._steps_in_flight += 1
-            self._rebase_if_due()
+            if self._steps_in_flight >= land_step:  # an average that came in earlier waits for its step
+                self._rebase_if_due()
             x, y = self.sampler.next_batch()
             lr = inner_lr(self.inner_step, self.inner_cfg)
             for group in self.inner_opt.param_groups:

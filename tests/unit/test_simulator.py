@@ -234,6 +234,38 @@ def test_land_step_waits_for_the_average_and_takes_it_at_that_step(corpus):
         assert torch.equal(a, b)
 
 
+def test_land_step_holds_an_early_average_until_that_step(corpus):
+    import dataclasses
+
+    import torch
+
+    def worker(land_step):
+        sim = make_sim(corpus, overlap="eager")
+        w = sim.workers[0]
+        w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=land_step)
+        w.inner_steps(2)
+        w.start_overlapped(w.pseudo_gradient())
+        return w
+
+    average = None
+
+    def land(w):
+        nonlocal average
+        average = average or [torch.full_like(g, 0.01) for g in w.global_params]
+        w.apply_outer(average, reset_local=False)
+        w.settle()
+
+    early = worker(3)
+    land(early)  # committed before the next round's first step: still taken at its 3rd
+    early.inner_steps(4)
+    reference = worker(0)
+    reference.inner_steps(2)
+    land(reference)
+    reference.inner_steps(2)
+    for a, b in zip(early.model.parameters(), reference.model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_land_step_wait_ends_on_stop_or_when_the_round_gives_up(corpus):
     import dataclasses
 
