@@ -189,36 +189,38 @@ def test_a_landing_average_moves_the_local_copy_by_what_theta_moved(corpus):
     assert all(torch.equal(o, g) for o, g in zip(w.origin, w.global_params))
 
 
+def launched(corpus, land_step, steps=2):
+    """A worker with ``outer.land_step`` that trained ``steps`` steps and launched that round."""
+    import dataclasses
+
+    w = make_sim(corpus, overlap="eager").workers[0]
+    w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=land_step)
+    w.inner_steps(steps)
+    w.start_overlapped(w.pseudo_gradient())
+    return w
+
+
+def land(w):
+    """The round in flight commits (the same average every time) and the node says so."""
+    import torch
+
+    w.apply_outer([torch.full_like(g, 0.01) for g in w.global_params], reset_local=False)
+    w.settle()
+
+
 def test_land_step_waits_for_the_average_and_takes_it_at_that_step(corpus):
     """outer.land_step=2: the step that would be the next round's 2nd waits for the round in
     flight, so the local copy moves at exactly that step however late the average lands."""
-    import dataclasses
     import threading
 
     import torch
 
-    def worker(land_step):
-        sim = make_sim(corpus, overlap="eager")
-        w = sim.workers[0]
-        w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=land_step)
-        w.inner_steps(2)
-        w.start_overlapped(w.pseudo_gradient())
-        return w
-
-    average = None
-
-    def land(w):
-        nonlocal average
-        average = average or [torch.full_like(g, 0.01) for g in w.global_params]
-        w.apply_outer(average, reset_local=False)
-        w.settle()
-
-    reference = worker(0)  # lands by hand between the 1st and 2nd step
+    reference = launched(corpus, 0)  # lands by hand between the 1st and 2nd step
     reference.inner_steps(1)
     land(reference)
     reference.inner_steps(3)
 
-    waiting = worker(2)
+    waiting = launched(corpus, 2)
     first = waiting.inner_step
     thread = threading.Thread(target=waiting.inner_steps, args=(4,))
     thread.start()
@@ -235,30 +237,12 @@ def test_land_step_waits_for_the_average_and_takes_it_at_that_step(corpus):
 
 
 def test_land_step_holds_an_early_average_until_that_step(corpus):
-    import dataclasses
-
     import torch
 
-    def worker(land_step):
-        sim = make_sim(corpus, overlap="eager")
-        w = sim.workers[0]
-        w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=land_step)
-        w.inner_steps(2)
-        w.start_overlapped(w.pseudo_gradient())
-        return w
-
-    average = None
-
-    def land(w):
-        nonlocal average
-        average = average or [torch.full_like(g, 0.01) for g in w.global_params]
-        w.apply_outer(average, reset_local=False)
-        w.settle()
-
-    early = worker(3)
+    early = launched(corpus, 3)
     land(early)  # committed before the next round's first step: still taken at its 3rd
     early.inner_steps(4)
-    reference = worker(0)
+    reference = launched(corpus, 0)
     reference.inner_steps(2)
     land(reference)
     reference.inner_steps(2)
@@ -267,13 +251,7 @@ def test_land_step_holds_an_early_average_until_that_step(corpus):
 
 
 def test_land_step_wait_ends_on_stop_or_when_the_round_gives_up(corpus):
-    import dataclasses
-
-    sim = make_sim(corpus, overlap="eager")
-    w = sim.workers[0]
-    w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=1)
-    w.inner_steps(1)
-    w.start_overlapped(w.pseudo_gradient())
+    w = launched(corpus, 1, steps=1)
     answers = iter([False])  # not at the loop's own check: while waiting for the round in flight
     assert w.inner_steps(3, lambda: next(answers, True)).steps == 0  # told to stop while waiting: returns
     before = w.inner_step
