@@ -69,9 +69,9 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"codec input must be a 1-D contiguous float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
-def _check_out(out: torch.Tensor, numel: int) -> torch.Tensor:
+def _check_out(out: torch.Tensor, numel: int, what: str = "decode out=") -> torch.Tensor:
     if out.dtype != torch.float32 or out.shape != (numel,) or out.device.type != "cpu" or not out.is_contiguous():
-        raise ValueError(f"decode out= must be a contiguous float32 CPU tensor of shape ({numel},), "
+        raise ValueError(f"{what} must be a contiguous float32 CPU tensor of shape ({numel},), "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     return out
 
@@ -106,8 +106,11 @@ class Codec(abc.ABC):
         """Exact size of ``encode`` of a vector with ``numel`` elements."""
 
     @abc.abstractmethod
-    def encode(self, x: torch.Tensor) -> bytes:
-        """Encode a 1-D contiguous float32 CPU tensor; non-finite input raises CodecError."""
+    def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
+        """Encode a 1-D contiguous float32 CPU tensor; non-finite input raises CodecError.
+
+        ``decoded`` (float32, shaped like ``x``), if given, receives exactly what ``decode`` of the
+        payload returns, computed while encoding instead of by decoding it again."""
 
     @abc.abstractmethod
     def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,8 +136,10 @@ class FloatCodec(Codec):
     def wire_bytes(self, numel: int) -> int:
         return numel * self.itemsize
 
-    def encode(self, x: torch.Tensor) -> bytes:
+    def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
         _check_input(x)
+        if decoded is not None:
+            _check_out(decoded, x.numel(), "encode decoded=")
         y = x.to(self.dtype)
         if not all_finite(y):
             if not all_finite(x):
@@ -143,6 +148,8 @@ class FloatCodec(Codec):
             # than send an Inf that every receiver would have to reject.
             limit = torch.finfo(self.dtype).max
             y = x.clamp(-limit, limit).to(self.dtype)
+        if decoded is not None:
+            decoded.copy_(y)
         return y.view(torch.uint8).numpy().tobytes()
 
     def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,10 +171,13 @@ class BlockCodec(Codec):
 
     Subclasses set ``base_name`` and ``qmax`` (scale = absmax / qmax) and
     define ``block_bytes(length)`` (code bytes of a block of ``length``
-    values), ``_quantize(scaled)`` (values divided by their block's scale,
-    shape (blocks, length) -> code bytes (blocks, block_bytes(length))) and
+    values), ``_quantize(scaled, scale, decoded)`` (values divided by their
+    block's scale, shape (blocks, length) -> code bytes (blocks,
+    block_bytes(length)); if ``decoded`` is given, also writes into it what
+    the codes decode to, with ``scale`` shaped (blocks, 1)) and
     ``_dequantize(codes, scale, out)`` (writes the values into ``out``, raising
-    CodecError for codes no encoder produces).
+    CodecError for codes no encoder produces). Both compute a value as its
+    level times its block's scale, one fp32 multiply, so the two agree bit for bit.
     """
 
     base_name: str
@@ -193,9 +203,11 @@ class BlockCodec(Codec):
         if numel > full:
             yield full, 1, numel - full
 
-    def encode(self, x: torch.Tensor) -> bytes:
+    def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
         _check_input(x)
         numel, nblocks = x.numel(), -(-x.numel() // self.block_size)
+        if decoded is not None:
+            _check_out(decoded, numel, "encode decoded=")
         out = torch.empty(self.wire_bytes(numel), dtype=torch.uint8)
         scales, codes = out[: 4 * nblocks].view(torch.float32), out[4 * nblocks :]
         for start, count, length in self._pieces(numel):
@@ -207,7 +219,8 @@ class BlockCodec(Codec):
             first = start // self.block_size
             scales[first : first + count] = scale
             # An all-zero block has scale 0; dividing by 1 keeps its codes 0.
-            packed = self._quantize(blocks / torch.where(scale > 0, scale, 1.0).unsqueeze(1))
+            values = None if decoded is None else decoded[start : start + count * length].view(count, length)
+            packed = self._quantize(blocks / torch.where(scale > 0, scale, 1.0).unsqueeze(1), scale.unsqueeze(1), values)
             offset = first * self.block_bytes(self.block_size)
             codes[offset : offset + packed.numel()] = packed.view(-1)
         return out.numpy().tobytes()
@@ -239,8 +252,11 @@ class Int8Codec(BlockCodec):
     def block_bytes(self, length: int) -> int:
         return length
 
-    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
-        return scaled.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    def _quantize(self, scaled: torch.Tensor, scale: torch.Tensor, decoded: torch.Tensor | None) -> torch.Tensor:
+        codes = scaled.round_().clamp_(-127, 127).to(torch.int8)
+        if decoded is not None:
+            torch.mul(codes, scale, out=decoded)  # as _dequantize does (a level rounded to -0 is code 0: +0)
+        return codes.view(torch.uint8)
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         if int(codes.view(torch.int8).min()) == -128:  # outside the symmetric grid
@@ -258,7 +274,9 @@ class Nibble4Codec(BlockCodec):
     """
 
     # Subclasses give values16 (float32[16]: the unscaled value of each code,
-    # NaN for code 0) and _codes(scaled) (the code of each value, as float32 or uint8).
+    # NaN for code 0) and _codes(scaled, scale, decoded) (the code of each
+    # value, as float32 or uint8; and, into ``decoded`` if given, values16 of
+    # that code times the scale).
     values16: torch.Tensor
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
@@ -272,8 +290,8 @@ class Nibble4Codec(BlockCodec):
     def block_bytes(self, length: int) -> int:
         return (length + 1) // 2
 
-    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
-        codes = self._codes(scaled)
+    def _quantize(self, scaled: torch.Tensor, scale: torch.Tensor, decoded: torch.Tensor | None) -> torch.Tensor:
+        codes = self._codes(scaled, scale, decoded)
         half = self.block_bytes(codes.shape[1])
         if codes.shape[1] % 2:
             codes = torch.cat([codes, codes.new_full((codes.shape[0], 1), 8.0)], dim=1)
@@ -299,8 +317,11 @@ class Int4Codec(Nibble4Codec):
     base_name, qmax = "int4", 7.0
     values16 = torch.cat([torch.tensor([float("nan")]), torch.arange(-7.0, 8.0)])
 
-    def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
-        return scaled.round_().clamp_(-7, 7).add_(8)
+    def _codes(self, scaled: torch.Tensor, scale: torch.Tensor, decoded: torch.Tensor | None) -> torch.Tensor:
+        codes = scaled.round_().clamp_(-7, 7).add_(8)
+        if decoded is not None:  # values16[code] * scale, as _dequantize does (a level rounded to -0 is code 8: +0)
+            torch.sub(codes, 8, out=decoded).mul_(scale)
+        return codes
 
 
 class FP4Codec(Nibble4Codec):
@@ -324,10 +345,13 @@ class FP4Codec(Nibble4Codec):
         level = (exponent + bit - 120).clamp(0, 7)
         level = torch.where(exponent >= 120, level.clamp(min=1), level)
         self.code_table = torch.where(sign == 1, 8 - level, 8 + level).to(torch.uint8)
+        self.value_table = self.values16[self.code_table.long()]  # the unscaled value each top bits encode to
 
-    def _codes(self, scaled: torch.Tensor) -> torch.Tensor:
-        top = scaled.view(torch.int32).bitwise_right_shift(22).bitwise_and_(0x3FF)
-        return self.code_table.index_select(0, top.view(-1)).view(scaled.shape)
+    def _codes(self, scaled: torch.Tensor, scale: torch.Tensor, decoded: torch.Tensor | None) -> torch.Tensor:
+        top = scaled.view(torch.int32).bitwise_right_shift(22).bitwise_and_(0x3FF).view(-1)
+        if decoded is not None:
+            torch.mul(self.value_table.index_select(0, top).view(scaled.shape), scale, out=decoded)
+        return self.code_table.index_select(0, top).view(scaled.shape)
 
 
 _ALL = (FloatCodec("fp32", torch.float32), FloatCodec("fp16", torch.float16), FloatCodec("bf16", torch.bfloat16),
@@ -355,11 +379,11 @@ class ErrorFeedback:
             raise ValueError(f"numel must be >= 0, got {numel}")
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
-    def compensate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` plus the residual left by earlier rounds (a new tensor)."""
+    def compensate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` plus the residual left by earlier rounds (a new tensor, or into ``out``, which may be ``x``)."""
         if x.shape != self.residual.shape:
             raise ValueError(f"error feedback holds {self.residual.numel()} values, got shape {tuple(x.shape)}")
-        return x + self.residual
+        return torch.add(x, self.residual) if out is None else torch.add(x, self.residual, out=out)
 
     def update(self, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Remember what the receivers did not get: ``compensated - transmitted``."""
@@ -368,8 +392,9 @@ class ErrorFeedback:
     def encode(self, codec: Codec, x: torch.Tensor) -> bytes:
         """Compensate ``x``, encode it, and keep the new residual; returns the payload."""
         compensated = self.compensate(x)
-        payload = codec.encode(compensated)  # raises before the residual changes
-        self.update(compensated, codec.decode(payload, compensated.numel()))
+        transmitted = torch.empty_like(compensated)
+        payload = codec.encode(compensated, transmitted)  # raises before the residual changes
+        self.update(compensated, transmitted)
         return payload
 
     def reset(self) -> None:

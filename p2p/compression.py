@@ -47,9 +47,7 @@ def encode_parts(codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]]
     """One payload per part, and the values the receivers will decode from them."""
     payloads, sent = [], torch.empty_like(flat)
     for start, end in bounds:
-        payload = codec.encode(flat[start:end].contiguous())
-        payloads.append(payload)
-        sent[start:end] = codec.decode(payload, end - start)
+        payloads.append(codec.encode(flat[start:end].contiguous(), sent[start:end]))
     return payloads, sent
 
 
@@ -65,8 +63,19 @@ def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]]) 
     return codec.encode(acc)
 
 
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
+def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """All values of ``tensors`` as one fp32 CPU vector, into ``out`` if given (each tensor copied
+    once, whatever its device and type)."""
+    numel = sum(t.numel() for t in tensors)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != (numel,) or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"flatten out= must be a contiguous float32 CPU tensor of shape ({numel},)")
+    offset = 0
+    for t in tensors:
+        out[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+        offset += t.numel()
+    return out
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor], *, copy: bool = True) -> list[torch.Tensor]:

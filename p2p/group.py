@@ -8,9 +8,12 @@ sends the same bytes back to all. Every member decodes those bytes, so all end
 with a bit-identical average. Before anyone applies it, members exchange a
 digest of the whole averaged vector (``votes``): a round commits only if every
 member reports the same digest. The digest is built piece by piece as the
-averaged pieces are placed (a hash of each piece's values, then one keyed
-hash over those in vector order), so hashing overlaps the transfer instead of
-following it.
+averaged pieces are placed (a hash of each piece's encoded bytes, then one
+keyed hash over those in vector order), so hashing overlaps the transfer
+instead of following it. Hashing the bytes rather than the decoded values is
+as strong (decoding is a pure function of the bytes, so equal bytes are equal
+values, and a member that got other bytes votes otherwise) and, for a 4-bit
+codec, hashes 8x less.
 
 Parts travel as pieces (``compression.piece_bounds``, whole codec blocks), so
 the two halves of the butterfly overlap: the owner averages piece ``k`` as
@@ -52,11 +55,11 @@ class RoundFailed(Exception):
         self.reason = reason
 
 
-def piece_digest(values: torch.Tensor) -> bytes:
-    """Hash of one averaged piece's values (fp32 bytes, as placed in the result).
+def piece_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """Hash of one averaged piece as its owner sent it (the encoded bytes).
 
     SHA-256: with the CPU's SHA instructions it hashes ~1.3 GB/s here, twice blake2b."""
-    return hashlib.sha256(memoryview(values.numpy()).cast("B")).digest()
+    return hashlib.sha256(data).digest()
 
 
 def digest(piece_digests: list[bytes], group_id: bytes) -> bytes:
@@ -78,6 +81,12 @@ class Group:
     flat: torch.Tensor  # this peer's contribution (fp32, 1-D), error feedback already added
     weight: float
     codec: Codec
+    # Error feedback reads ``sent`` after the round: fill all of it. Without, only
+    # our own part is filled (we average what we send ourselves, as everyone decodes it).
+    feedback: bool = True
+    # Where ``sent`` goes (shaped like ``flat``): a buffer the caller reuses round after round,
+    # or None for a fresh one. Unused by an exact codec, whose receivers decode ``flat`` itself.
+    sent: torch.Tensor | None = None
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
 
@@ -89,8 +98,12 @@ class Group:
         # pieces[j][k]: the elements of piece k of part j, the same on every member.
         self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
         self.result = torch.empty_like(self.flat)
-        # What the receivers decode of our contribution, filled as pieces are encoded (error feedback).
-        self.sent = self.flat if self.codec.exact else torch.empty_like(self.flat)
+        # What the receivers decode of our contribution, filled as pieces are encoded (see ``feedback``).
+        if self.codec.exact:
+            self.sent = self.flat
+        elif self.sent is None:
+            self.sent = torch.empty_like(self.flat)
+        assert self.sent.shape == self.flat.shape and self.sent.dtype == torch.float32 and self.sent.is_contiguous()
         self.weights: dict[int, float] = {}
         own = len(self.pieces[self.index])
         # Per piece of our part: sender index -> decoded values, until the piece is averaged.
@@ -136,13 +149,11 @@ class Group:
     def encode_piece(self, index: int, k: int) -> bytes:
         """Our contribution to piece ``k`` of part ``index``, encoded; records what its receiver decodes."""
         start, end = self.pieces[index][k]
+        wanted = not self.codec.exact and (self.feedback or index == self.index)
         try:
-            payload = self.codec.encode(self.flat[start:end])
+            return self.codec.encode(self.flat[start:end], self.sent[start:end] if wanted else None)
         except CodecError as e:  # our own pseudo-gradient holds NaN or Inf: nobody may average it
             raise RoundFailed(e.reason) from None
-        if not self.codec.exact:
-            self.codec.decode(payload, end - start, self.sent[start:end])
-        return payload
 
     def decode_piece(self, k: int, data: bytes) -> torch.Tensor:
         """A peer's contribution to piece ``k`` of our part."""
@@ -163,7 +174,7 @@ class Group:
         """Store piece ``k`` of the average of part ``index`` (from its owner, or our own)."""
         start, end = self.pieces[index][k]
         self._decode(index, k, data, self.result[start:end])
-        self._placed[index][k] = piece_digest(self.result[start:end])
+        self._placed[index][k] = piece_digest(data)
 
     def digest(self) -> bytes:
         """The vote: ``digest`` of the whole averaged vector; every piece must have been placed."""

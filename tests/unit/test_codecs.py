@@ -389,3 +389,31 @@ def test_decode_into_a_given_tensor_writes_the_same_values(name):
     assert torch.all(whole[:100] == 7.0) and torch.all(whole[100 + x.numel() :] == 7.0)
     with pytest.raises(ValueError, match="out="):
         codec.decode(payload, x.numel(), torch.empty(x.numel() + 1))
+
+
+@pytest.mark.parametrize("numel", SIZES + (5 * 256 + 77,))
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_encode_writes_exactly_what_decoding_its_payload_gives(name, numel):
+    codec = get_codec(name)
+    # Six decades of magnitude, an all-zero block and negative zeros (which round to a level of -0):
+    # every bit of the values written while encoding must match decoding the payload afterwards.
+    x = gaussian(numel) * torch.logspace(-6, 3, numel)
+    x[256:512] = 0.0
+    x[600:700] = -0.0
+    x[1:3] = -1e-9
+    decoded = torch.full((numel,), float("nan"))
+    payload = codec.encode(x, decoded)
+    assert payload == codec.encode(x)
+    assert torch.equal(decoded.view(torch.int32), codec.decode(payload, numel).view(torch.int32))
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_encode_refuses_a_misshapen_decoded_buffer(name):
+    x = gaussian(300)
+    with pytest.raises(ValueError, match="decoded="):
+        get_codec(name).encode(x, torch.empty(299))
+    with pytest.raises(ValueError, match="decoded="):
+        get_codec(name).encode(x, torch.empty(300, dtype=torch.float64))
+    with pytest.raises(CodecError, match="non_finite_input"):
+        get_codec(name).encode(torch.tensor([1.0, float("inf")]), torch.empty(2))
+

@@ -207,6 +207,58 @@ async def test_pieces_average_exactly_as_whole_parts_would(codec, monkeypatch):
         await stop_peers(peers)
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+async def test_the_next_round_reuses_its_buffers_and_leaves_the_last_result_alone(codec, monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    peers = await start_peers(2, min_peers=2, codec=codec)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        numel, c = 3000, get_codec(codec)
+        bounds = part_bounds(numel, 2)
+
+        def receivers_decode(x):  # what the members decode of one member's contribution
+            return torch.cat([c.decode(c.encode(x[s:e].contiguous()), e - s) for s, e in bounds])
+
+        first = [torch.randn(numel, generator=gen) for _ in peers]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(r.average([x], 1.0, 0) for (_, r, _), x in zip(peers, first))), 60)
+        kept = results[0][0].clone()
+        buffers = {name: buf.data_ptr() for name, buf in peers[0][1]._buffers.items()}
+        assert set(buffers) == ({"flat"} if c.exact else {"flat", "sent"})
+        residuals = [r.feedback.residual.clone() if r.feedback else torch.zeros(numel) for _, r, _ in peers]
+        second = [torch.randn(numel, generator=gen) for _ in peers]
+        again = await asyncio.wait_for(asyncio.gather(
+            *(r.average([x], 1.0, 1) for (_, r, _), x in zip(peers, second))), 60)
+        assert {name: buf.data_ptr() for name, buf in peers[0][1]._buffers.items()} == buffers
+        assert torch.equal(results[0][0], kept)  # the first round's result is the caller's alone
+        assert torch.equal(again[0][0], again[1][0]) and not torch.equal(again[0][0], kept)
+        compensated = [x + res for x, res in zip(second, residuals)]  # error feedback, into the reused copy
+        sent = by_member(peers, [receivers_decode(x) for x in compensated])
+        expected = torch.cat([c.decode(average_part(c, [(1.0, v[s:e]) for v in sent]), e - s) for s, e in bounds])
+        assert torch.equal(again[0][0], expected)
+        for (_, r, _), x in zip(peers, compensated):
+            if r.feedback is not None:
+                assert torch.equal(r.feedback.residual, x - receivers_decode(x))
+    finally:
+        await stop_peers(peers)
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_sent_is_filled_for_every_part_only_when_error_feedback_reads_it(feedback, monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    flat, codec = torch.randn(3000), get_codec("int4")
+    sent = torch.full((3000,), float("nan"))
+    group = Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec, feedback, sent)
+    assert group.sent is sent
+    for j in range(3):
+        for k, (start, end) in enumerate(group.pieces[j]):
+            payload = group.encode_piece(j, k)
+            if feedback or j == group.index:  # our own part we always average as it was encoded
+                assert torch.equal(sent[start:end], codec.decode(payload, end - start))
+            else:
+                assert torch.isnan(sent[start:end]).all()
+
+
 async def test_averaged_pieces_flow_back_before_the_input_is_complete(monkeypatch):
     # The two halves of the butterfly overlap: a part's owner sends its first averaged piece
     # back while a member's later pieces of that part are still on their way.
@@ -336,15 +388,15 @@ def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
     group.place_piece(0, 0, codec.encode(flat[start:end]))
     assert torch.equal(group.result, flat)
     vote = group.digest()
-    assert vote == digest([piece_digest(flat[s:e]) for j in range(2) for s, e in group.pieces[j]], group.id)
+    assert vote == digest([piece_digest(codec.encode(flat[s:e])) for j in range(2) for s, e in group.pieces[j]], group.id)
     other = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, codec)
     changed = flat.clone()
     changed[1999] += 1.0
     for j, k in places:
         start, end = other.pieces[j][k]
         other.place_piece(j, k, codec.encode(changed[start:end]))
-    assert other.digest() != digest([piece_digest(flat[s:e]) for j in range(2) for s, e in other.pieces[j]], other.id)
-    assert other.digest() == digest([piece_digest(changed[s:e]) for j in range(2) for s, e in other.pieces[j]], other.id)
+    assert other.digest() != digest([piece_digest(codec.encode(flat[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
+    assert other.digest() == digest([piece_digest(codec.encode(changed[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
 
 
 async def test_a_ready_hint_counts_for_one_attempt_only():
