@@ -282,10 +282,9 @@ class Nibble4Codec(BlockCodec):
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
         super().__init__(block_size, chunk_elems=chunk_elems)
         byte = torch.arange(256)
-        # Both values of every possible byte, side by side; as one int64 per
-        # byte, decoding is a single gather over the packed bytes.
-        pairs = torch.stack([self.values16[byte & 15], self.values16[byte >> 4]], dim=1)
-        self.table = pairs.contiguous().view(torch.int64).view(256)
+        # The value of each possible byte's low and high nibble: decoding a
+        # block's two halves is one gather each, written contiguously.
+        self.low_values, self.high_values = self.values16[byte & 15], self.values16[byte >> 4]
 
     def block_bytes(self, length: int) -> int:
         return (length + 1) // 2
@@ -299,14 +298,13 @@ class Nibble4Codec(BlockCodec):
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         count, half = codes.shape
-        if out.shape[1] % 2 and int(codes[-1, -1]) >> 4 != 8:
+        length = out.shape[1]
+        if length % 2 and int(codes[-1, -1]) >> 4 != 8:
             raise CodecError("bad_padding", "pad nibble is not 8")
-        pairs = self.table.index_select(0, codes.reshape(-1).to(torch.int32)).view(torch.float32)
-        halves = pairs.view(count, half, 2).transpose(1, 2)  # (blocks, low/high, half)
-        if 2 * half == out.shape[1]:
-            torch.mul(halves, scale.view(-1, 1, 1), out=out.view(count, 2, half))
-        else:
-            out.copy_((halves * scale.view(-1, 1, 1)).reshape(count, 2 * half)[:, : out.shape[1]])
+        index, scale = codes.reshape(-1).to(torch.int32), scale.view(-1, 1)
+        torch.mul(self.low_values.index_select(0, index).view(count, half), scale, out=out[:, :half])
+        high = self.high_values.index_select(0, index).view(count, half)
+        torch.mul(high[:, : length - half], scale, out=out[:, half:])  # an odd block's pad nibble is dropped
         if not all_finite(out):  # only code 0 decodes to NaN
             raise CodecError("bad_code", "4-bit code 0")
 
@@ -388,6 +386,15 @@ class ErrorFeedback:
     def update(self, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Remember what the receivers did not get: ``compensated - transmitted``."""
         torch.sub(compensated, transmitted, out=self.residual)
+
+    def adopt(self, residual: torch.Tensor) -> torch.Tensor:
+        """Take ``residual`` (``compensated - transmitted``, computed elsewhere, e.g. piece by piece
+        during a round) as the new residual; returns the old one, whose buffer the caller may reuse."""
+        if residual.shape != self.residual.shape or residual.dtype != torch.float32:
+            raise ValueError(f"error feedback holds {self.residual.numel()} fp32 values, got {residual.dtype} "
+                             f"{tuple(residual.shape)}")
+        old, self.residual = self.residual, residual
+        return old
 
     def encode(self, codec: Codec, x: torch.Tensor) -> bytes:
         """Compensate ``x``, encode it, and keep the new residual; returns the payload."""

@@ -81,9 +81,10 @@ class Group:
     flat: torch.Tensor  # this peer's contribution (fp32, 1-D), error feedback already added
     weight: float
     codec: Codec
-    # Error feedback reads ``sent`` after the round: fill all of it. Without, only
-    # our own part is filled (we average what we send ourselves, as everyone decodes it).
-    feedback: bool = True
+    # Error feedback (lossy codecs): a vector shaped like ``flat`` that receives, piece by
+    # piece as they are encoded, what the receivers will not get of ``flat`` (``flat`` minus
+    # what they decode): the next residual, if this round commits. None without feedback.
+    residual: torch.Tensor | None = None
     # Where ``sent`` goes (shaped like ``flat``): a buffer the caller reuses round after round,
     # or None for a fresh one. Unused by an exact codec, whose receivers decode ``flat`` itself.
     sent: torch.Tensor | None = None
@@ -98,12 +99,15 @@ class Group:
         # pieces[j][k]: the elements of piece k of part j, the same on every member.
         self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
         self.result = torch.empty_like(self.flat)
-        # What the receivers decode of our contribution, filled as pieces are encoded (see ``feedback``).
+        # What the receivers decode of our contribution to our own part, filled as its pieces are
+        # encoded: we average our piece as everyone else would decode it.
         if self.codec.exact:
             self.sent = self.flat
+            assert self.residual is None, "an exact codec drops nothing to feed back"
         elif self.sent is None:
             self.sent = torch.empty_like(self.flat)
-        assert self.sent.shape == self.flat.shape and self.sent.dtype == torch.float32 and self.sent.is_contiguous()
+        for buf in (self.sent, self.residual):
+            assert buf is None or (buf.shape == self.flat.shape and buf.dtype == torch.float32 and buf.is_contiguous())
         self.weights: dict[int, float] = {}
         own = len(self.pieces[self.index])
         # Per piece of our part: sender index -> decoded values, until the piece is averaged.
@@ -147,13 +151,21 @@ class Group:
     # ---- tensor work: pure, on disjoint slices, safe in a worker thread -----------
 
     def encode_piece(self, index: int, k: int) -> bytes:
-        """Our contribution to piece ``k`` of part ``index``, encoded; records what its receiver decodes."""
+        """Our contribution to piece ``k`` of part ``index``, encoded; records what its receivers decode
+        of our own part, and what error feedback keeps of every part."""
         start, end = self.pieces[index][k]
-        wanted = not self.codec.exact and (self.feedback or index == self.index)
+        values = self.flat[start:end]
+        if index == self.index and not self.codec.exact:
+            decoded = self.sent[start:end]
+        else:  # decoded straight into the residual, then turned into it while still in cache
+            decoded = None if self.residual is None else self.residual[start:end]
         try:
-            return self.codec.encode(self.flat[start:end], self.sent[start:end] if wanted else None)
+            payload = self.codec.encode(values, decoded)
         except CodecError as e:  # our own pseudo-gradient holds NaN or Inf: nobody may average it
             raise RoundFailed(e.reason) from None
+        if self.residual is not None:
+            torch.sub(values, decoded, out=self.residual[start:end])
+        return payload
 
     def decode_piece(self, k: int, data: bytes) -> torch.Tensor:
         """A peer's contribution to piece ``k`` of our part."""

@@ -11,7 +11,9 @@ medians are reported:
 - ``gonka-node``: ``RoundProtocol.average`` over a ``Swarm`` on the host's
   testbed address, once per codec of ``p2p.codecs.CODECS`` (fp32 only if
   ``SwarmConfig`` has no ``codec`` field), error feedback off so every repeat
-  syncs the same vector;
+  syncs the same vector (``--error-feedback`` keeps it on, as a node runs a
+  lossy codec by default: each repeat then syncs the vector plus what the
+  previous one dropped);
 - ``hivemind``: ``DecentralizedAverager.step`` (codecs none and float16;
   its 8-bit codecs are broken with numpy >= 2.4, see DESIGN.md);
 - ``gloo``: ``torch.distributed.all_reduce`` (fp32).
@@ -113,6 +115,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="comma-separated subset of gonka-node, hivemind, gloo (default: all)")
     group.add_argument("--codecs", help="comma-separated gonka-node codecs (default: every codec of p2p.codecs; "
                        "fp32,int8,fp4 with --quick)")
+    group.add_argument("--error-feedback", action="store_true",
+                       help="gonka-node: keep error feedback on for lossy codecs, as a node does by default "
+                            "(default off: every repeat syncs the same vector)")
     group.add_argument("--peer-timeout", type=float,
                        help="seconds each peer process may live (default: from the size, rate and repeats)")
 
@@ -185,6 +190,8 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
                         "--ip", tb.host_ip(i), "--master", tb.host_ip(0), "--workdir", workdir,
                         "--params", args.params, "--repeats", args.repeats, "--codec", codec,
                         "--run-tag", f"{os.getpid()}{tag}", "--timeout", timeout]
+                if args.error_feedback:
+                    argv.append("--error-feedback")
                 with open(log, "wb") as f:
                     procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, env=env))
                 logs.append(log)
@@ -321,9 +328,10 @@ def run(args: argparse.Namespace) -> dict:
                          f"{TOLERANCE.get(codec)}")
     png = args.out / "allreduce.png"
     plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each "
-                    f"(TCP {args.congestion})")
+                    f"(TCP {args.congestion}{', error feedback' if args.error_feedback else ''})")
     notes.append(f"plot: {png}")
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "plot": str(png),
-            "config": {"peers": args.peers, "rate": args.rate, "congestion": args.congestion, "params": args.params,
+            "config": {"peers": args.peers, "rate": args.rate, "congestion": args.congestion,
+                       "error_feedback": args.error_feedback, "params": args.params,
                        "repeats": args.repeats, "peer_timeout": timeout, "tolerance": TOLERANCE},
             "load_average": os.getloadavg(), "peers_raw": raw}

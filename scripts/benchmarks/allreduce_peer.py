@@ -133,8 +133,8 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
         request_timeout=20.0,
     )
     if "codec" in SwarmConfig.__dataclass_fields__:
-        # One sync of the same vector each repeat: error feedback would change later inputs.
-        options.update(codec=args.codec, error_feedback=False)
+        # Off by default: one sync of the same vector each repeat (error feedback changes later inputs).
+        options.update(codec=args.codec, error_feedback=args.error_feedback)
     elif args.codec != "fp32":
         raise SystemExit(f"this SwarmConfig has no codec field; cannot run codec {args.codec}")
     metrics = NodeMetrics()
@@ -288,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params", type=int, required=True, help="elements of the fp32 pseudo-gradient")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--codec", default="fp32")
+    p.add_argument("--error-feedback", action="store_true", help="gonka: keep error feedback on (lossy codecs)")
     p.add_argument("--seed", type=int, default=1000, help="peer i uses seed + i")
     p.add_argument("--run-tag", default="0", help="makes DHT keys and prefixes unique to this run")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds this process may live")

@@ -370,6 +370,20 @@ def test_error_feedback_steps_and_state_dict():
         restored.compensate(torch.zeros(5))
 
 
+def test_error_feedback_compensates_in_place_and_adopts_a_residual_computed_elsewhere():
+    ef, x = ErrorFeedback(5), gaussian(5)
+    ef.residual.copy_(torch.arange(5.0))
+    buf = x.clone()
+    assert ef.compensate(buf, buf) is buf and torch.equal(buf, x + torch.arange(5.0))
+    new = torch.full((5,), 0.25)
+    old = ef.adopt(new)
+    assert ef.residual is new and torch.equal(old, torch.arange(5.0))
+    for bad in (torch.zeros(4), torch.zeros(5, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="error feedback holds 5"):
+            ef.adopt(bad)
+    assert ef.residual is new
+
+
 def test_error_feedback_keeps_residual_when_encode_refuses():
     ef, x = ErrorFeedback(3), torch.tensor([1.0, 0.01, float("nan")])
     with pytest.raises(CodecError):

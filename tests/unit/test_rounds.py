@@ -223,13 +223,23 @@ async def test_the_next_round_reuses_its_buffers_and_leaves_the_last_result_alon
         results = await asyncio.wait_for(asyncio.gather(
             *(r.average([x], 1.0, 0) for (_, r, _), x in zip(peers, first))), 60)
         kept = results[0][0].clone()
-        buffers = {name: buf.data_ptr() for name, buf in peers[0][1]._buffers.items()}
-        assert set(buffers) == ({"flat"} if c.exact else {"flat", "sent"})
+
+        def held(r):  # every vector the protocol keeps from round to round
+            ptrs = {name: buf.data_ptr() for name, buf in r._buffers.items()}
+            if r.feedback is not None:
+                ptrs["feedback"] = r.feedback.residual.data_ptr()
+            return ptrs
+
+        before = held(peers[0][1])
+        assert set(before) == ({"flat"} if c.exact else {"flat", "sent", "residual", "feedback"})
         residuals = [r.feedback.residual.clone() if r.feedback else torch.zeros(numel) for _, r, _ in peers]
         second = [torch.randn(numel, generator=gen) for _ in peers]
         again = await asyncio.wait_for(asyncio.gather(
             *(r.average([x], 1.0, 1) for (_, r, _), x in zip(peers, second))), 60)
-        assert {name: buf.data_ptr() for name, buf in peers[0][1]._buffers.items()} == buffers
+        after = held(peers[0][1])
+        assert after.pop("flat") == before.pop("flat") and after.pop("sent", 0) == before.pop("sent", 0)
+        if not c.exact:  # the residual a commit replaced is the buffer of the next one
+            assert (after["feedback"], after["residual"]) == (before["residual"], before["feedback"])
         assert torch.equal(results[0][0], kept)  # the first round's result is the caller's alone
         assert torch.equal(again[0][0], again[1][0]) and not torch.equal(again[0][0], kept)
         compensated = [x + res for x, res in zip(second, residuals)]  # error feedback, into the reused copy
@@ -244,19 +254,23 @@ async def test_the_next_round_reuses_its_buffers_and_leaves_the_last_result_alon
 
 
 @pytest.mark.parametrize("feedback", [True, False])
-def test_sent_is_filled_for_every_part_only_when_error_feedback_reads_it(feedback, monkeypatch):
+def test_encoding_keeps_what_receivers_decode_of_our_part_and_what_feedback_needs_of_all(feedback, monkeypatch):
     monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
     flat, codec = torch.randn(3000), get_codec("int4")
     sent = torch.full((3000,), float("nan"))
-    group = Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec, feedback, sent)
+    residual = torch.full((3000,), float("nan")) if feedback else None
+    group = Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec, residual, sent)
     assert group.sent is sent
     for j in range(3):
         for k, (start, end) in enumerate(group.pieces[j]):
             payload = group.encode_piece(j, k)
-            if feedback or j == group.index:  # our own part we always average as it was encoded
-                assert torch.equal(sent[start:end], codec.decode(payload, end - start))
+            decoded = codec.decode(payload, end - start)
+            if j == group.index:  # we average our own piece as its receivers would decode it
+                assert torch.equal(sent[start:end], decoded)
             else:
                 assert torch.isnan(sent[start:end]).all()
+            if feedback:  # what the receivers will not get of every piece
+                assert torch.equal(residual[start:end], flat[start:end] - decoded)
 
 
 async def test_averaged_pieces_flow_back_before_the_input_is_complete(monkeypatch):
