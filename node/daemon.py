@@ -124,6 +124,7 @@ class Node:
     # ---- start -------------------------------------------------------------------
 
     async def start(self) -> None:
+        from node.allocator import tune_malloc
         from node.control import ControlServer
         from node.loop import TrainingLoop
         from node.metrics import NodeMetrics
@@ -136,6 +137,7 @@ class Node:
         from trainer.diloco import DiLoCoWorker
 
         cfg = self.config
+        tune_malloc()
         if cfg.node.threads:
             torch.set_num_threads(cfg.node.threads)
         device = resolve_device(cfg.node.device)

@@ -377,11 +377,11 @@ class ErrorFeedback:
             raise ValueError(f"numel must be >= 0, got {numel}")
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
-    def compensate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` plus the residual left by earlier rounds (a new tensor, or into ``out``, which may be ``x``)."""
+    def compensate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus the residual left by earlier rounds (a new tensor)."""
         if x.shape != self.residual.shape:
             raise ValueError(f"error feedback holds {self.residual.numel()} values, got shape {tuple(x.shape)}")
-        return torch.add(x, self.residual) if out is None else torch.add(x, self.residual, out=out)
+        return x + self.residual
 
     def update(self, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Remember what the receivers did not get: ``compensated - transmitted``."""

@@ -63,17 +63,25 @@ def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]]) 
     return codec.encode(acc)
 
 
-def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None,
+            plus: torch.Tensor | None = None) -> torch.Tensor:
     """All values of ``tensors`` as one fp32 CPU vector, into ``out`` if given (each tensor copied
-    once, whatever its device and type)."""
+    once, whatever its device and type), plus the vector ``plus`` if given (added while copying:
+    error feedback's residual costs no extra pass over the vector)."""
     numel = sum(t.numel() for t in tensors)
+    if plus is not None and (plus.dtype != torch.float32 or plus.shape != (numel,) or plus.device.type != "cpu"):
+        raise ValueError(f"flatten plus= must be a float32 CPU tensor of shape ({numel},)")
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
     elif out.dtype != torch.float32 or out.shape != (numel,) or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError(f"flatten out= must be a contiguous float32 CPU tensor of shape ({numel},)")
     offset = 0
     for t in tensors:
-        out[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+        dest, values = out[offset : offset + t.numel()], t.detach().reshape(-1)
+        if plus is None:
+            dest.copy_(values)
+        else:
+            torch.add(values.to("cpu", torch.float32), plus[offset : offset + t.numel()], out=dest)
         offset += t.numel()
     return out
 

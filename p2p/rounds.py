@@ -125,11 +125,10 @@ class RoundProtocol:
 
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
         numel = sum(t.numel() for t in tensors)
-        # A copy of ~4 bytes per parameter: not on the event loop.
-        flat = await off_loop(flatten, tensors, self._buffer("flat", numel))
         feedback = self.ensure_feedback(numel)
-        if feedback is not None:
-            await off_loop(feedback.compensate, flat, flat)
+        # A copy of ~4 bytes per parameter, error feedback's residual added on the way: not on the event loop.
+        flat = await off_loop(flatten, tensors, self._buffer("flat", numel),
+                              feedback.residual if feedback is not None else None)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future())

@@ -5,8 +5,10 @@ Each configuration (system + codec) gets a fresh ``netbed.Testbed`` of
 ``--congestion`` (cubic unless asked otherwise, whatever the machine's own
 default: see scripts/netbed.py), and one process
 per host (``allreduce_peer.py``). Each peer averages its own fp32
-pseudo-gradient of ``--params`` normal values ``--repeats`` times; the
-medians are reported:
+pseudo-gradient of ``--params`` normal values ``--warmup`` times untimed
+(default once: a sync's first run pays for faulting in its buffers, a cost a
+node pays once, not every round), then ``--repeats`` times; the medians of
+the timed syncs are reported:
 
 - ``gonka-node``: ``RoundProtocol.average`` over a ``Swarm`` on the host's
   testbed address, once per codec of ``p2p.codecs.CODECS`` (fp32 only if
@@ -55,6 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .options import non_negative_int, positive_int
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
@@ -74,13 +78,6 @@ EXIT_SLACK = 20.0  # the coordinator waits this long past a peer's own timeout
 
 class BenchError(RuntimeError):
     """A configuration failed; the message names the peer and shows its log."""
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def rate_arg(text: str) -> str:
@@ -111,6 +108,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="TCP congestion control of every testbed host (default cubic; see scripts/netbed.py)")
     group.add_argument("--params", type=positive_int, help="fp32 elements averaged (default 25,000,000; 5,000,000 with --quick)")
     group.add_argument("--repeats", type=positive_int, help="syncs per configuration, median reported (default 3; 1 with --quick)")
+    group.add_argument("--warmup", type=non_negative_int,
+                       help="untimed syncs before the timed ones, every system alike (default 1; 0 with --quick)")
     group.add_argument("--systems", default="gonka-node,hivemind,gloo",
                        help="comma-separated subset of gonka-node, hivemind, gloo (default: all)")
     group.add_argument("--codecs", help="comma-separated gonka-node codecs (default: every codec of p2p.codecs; "
@@ -188,7 +187,7 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
                 log = workdir / f"peer{i}.log"
                 argv = [sys.executable, str(PEER_SCRIPT), "--mode", mode, "--index", i, "--peers", args.peers,
                         "--ip", tb.host_ip(i), "--master", tb.host_ip(0), "--workdir", workdir,
-                        "--params", args.params, "--repeats", args.repeats, "--codec", codec,
+                        "--params", args.params, "--repeats", args.repeats, "--warmup", args.warmup, "--codec", codec,
                         "--run-tag", f"{os.getpid()}{tag}", "--timeout", timeout]
                 if args.error_feedback:
                     argv.append("--error-feedback")
@@ -299,12 +298,14 @@ def run(args: argparse.Namespace) -> dict:
 
     args.params = args.params or (5_000_000 if args.quick else 25_000_000)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.warmup is None:
+        args.warmup = 0 if args.quick else 1
     if args.peers < 2:
         raise ValueError("--peers must be at least 2")
     rate_bps = netbed.parse_rate(args.rate)
     fp32_bound = 2 * (args.peers - 1) / args.peers * 4 * args.params / (rate_bps / 8)
     # Generous: an implementation 8x off the fp32 bound still finishes; a hung one is cut off.
-    timeout = args.peer_timeout or STARTUP_SLACK + args.repeats * (8 * fp32_bound + 20)
+    timeout = args.peer_timeout or STARTUP_SLACK + (args.warmup + args.repeats) * (8 * fp32_bound + 20)
     rows, notes, raw = [], [], {}
     for k, (system, codec) in enumerate(configurations(args)):
         print(f"allreduce: {system}/{codec} on {args.peers} hosts at {args.rate} ...", file=sys.stderr, flush=True)
@@ -333,5 +334,5 @@ def run(args: argparse.Namespace) -> dict:
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "plot": str(png),
             "config": {"peers": args.peers, "rate": args.rate, "congestion": args.congestion,
                        "error_feedback": args.error_feedback, "params": args.params,
-                       "repeats": args.repeats, "peer_timeout": timeout, "tolerance": TOLERANCE},
+                       "repeats": args.repeats, "warmup": args.warmup, "peer_timeout": timeout, "tolerance": TOLERANCE},
             "load_average": os.getloadavg(), "peers_raw": raw}

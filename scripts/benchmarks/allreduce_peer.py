@@ -117,6 +117,12 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
     from p2p.rounds import RoundProtocol
     from p2p.swarm import Swarm
 
+    try:  # as the node's daemon does at start (older trees have no such module)
+        from node.allocator import tune_malloc
+    except ImportError:
+        pass
+    else:
+        tune_malloc()
     workdir = Path(args.workdir)
     addr_file = workdir / "peer0.maddrs"
     bootstrap: list[str] = []
@@ -152,7 +158,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
             await asyncio.sleep(0.1)
         await abarrier(workdir, "joined", args.index, args.peers, deadline)
         repeats, result = [], None
-        for r in range(args.repeats):
+        for r in range(args.warmup + args.repeats):
             await abarrier(workdir, f"round{r}", args.index, args.peers, deadline)
             sent0 = metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0
             nic0 = nic_tx_bytes()
@@ -177,7 +183,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
                             "digest": digest(result), "aborted": aborted})
         # Leave only once everyone is done: a member that closes early could fail a slow vote.
         await abarrier(workdir, "done", args.index, args.peers, deadline)
-        return {"repeats": repeats, **check_result(result, args)}
+        return {"repeats": repeats[args.warmup :], **check_result(result, args)}
     finally:
         await swarm.close()
 
@@ -211,7 +217,7 @@ def run_hivemind(args, x: torch.Tensor, deadline: float) -> dict:
             compression=compression, allreduce_timeout=args.timeout)
         barrier(workdir, "joined", args.index, args.peers, deadline)
         repeats, result = [], None
-        for r in range(args.repeats):
+        for r in range(args.warmup + args.repeats):
             with averager.get_tensors() as tensors:
                 tensors[0].copy_(x)
             barrier(workdir, f"round{r}", args.index, args.peers, deadline)
@@ -235,7 +241,7 @@ def run_hivemind(args, x: torch.Tensor, deadline: float) -> dict:
                             "members": len(info), "sent_bytes": None, "nic_tx_bytes": nic_tx_bytes() - nic0,
                             "digest": digest(result)})
         barrier(workdir, "done", args.index, args.peers, deadline)
-        return {"repeats": repeats, **check_result(result, args)}
+        return {"repeats": repeats[args.warmup :], **check_result(result, args)}
     finally:
         if averager is not None:
             averager.shutdown()
@@ -255,7 +261,7 @@ def run_gloo(args, x: torch.Tensor, deadline: float) -> dict:
                             world_size=args.peers, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         repeats, result = [], None
-        for r in range(args.repeats):
+        for r in range(args.warmup + args.repeats):
             t = x.clone()
             dist.barrier()
             nic0 = nic_tx_bytes()
@@ -268,7 +274,7 @@ def run_gloo(args, x: torch.Tensor, deadline: float) -> dict:
                             "members": args.peers, "sent_bytes": None, "nic_tx_bytes": nic_tx_bytes() - nic0,
                             "digest": digest(result)})
         dist.barrier()
-        return {"repeats": repeats, **check_result(result, args)}
+        return {"repeats": repeats[args.warmup :], **check_result(result, args)}
     finally:
         dist.destroy_process_group()
 
@@ -287,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", required=True, help="directory shared by the peers of this run")
     p.add_argument("--params", type=int, required=True, help="elements of the fp32 pseudo-gradient")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=0, help="untimed syncs before the timed ones (not reported)")
     p.add_argument("--codec", default="fp32")
     p.add_argument("--error-feedback", action="store_true", help="gonka: keep error feedback on (lossy codecs)")
     p.add_argument("--seed", type=int, default=1000, help="peer i uses seed + i")

@@ -26,6 +26,8 @@ import torch
 
 from p2p.codecs import CODECS, get_codec
 
+from .options import positive_int
+
 LINK_BITS_PER_S = 1e9
 GOAL_SPEEDUP = 10.0
 COLUMNS = ["codec", "wire_MB", "ratio_vs_fp32", "encode_s", "decode_s", "send_1gbit_s",
@@ -39,13 +41,6 @@ def codec_names(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown codec {', '.join(unknown) or repr(text)} (choose from {', '.join(CODECS)})")
     return names
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:

@@ -10,7 +10,7 @@ import p2p.group
 from node.metrics import NodeMetrics
 from p2p.config import SwarmConfig
 from p2p.codecs import get_codec
-from p2p.compression import average_part, part_bounds, piece_bounds
+from p2p.compression import average_part, flatten, part_bounds, piece_bounds
 from p2p.group import Group, RoundFailed, digest, piece_digest
 import p2p.rounds
 from p2p.rounds import RoundProtocol
@@ -51,6 +51,19 @@ def test_part_bounds_cover_everything():
         assert b[0][0] == 0 and b[-1][1] == numel
         assert all(b[i][1] == b[i + 1][0] for i in range(parts - 1))
         assert max(e - s for s, e in b) - min(e - s for s, e in b) <= 1
+
+
+def test_flatten_copies_every_tensor_once_and_adds_the_residual_on_the_way():
+    tensors = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.arange(2, dtype=torch.float16)]
+    expected = torch.cat([t.reshape(-1).float() for t in tensors])
+    assert torch.equal(flatten(tensors), expected)
+    out, plus = torch.full((19,), float("nan")), torch.randn(19)
+    assert flatten(tensors, out) is out and torch.equal(out, expected)
+    assert flatten(tensors, out, plus) is out and torch.equal(out, expected + plus)
+    with pytest.raises(ValueError, match="out="):
+        flatten(tensors, torch.empty(18))
+    with pytest.raises(ValueError, match="plus="):
+        flatten(tensors, out, torch.empty(19, dtype=torch.float64))
 
 
 async def test_weighted_average_is_bit_identical_on_every_member():
