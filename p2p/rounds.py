@@ -107,7 +107,7 @@ class RoundProtocol:
         error feedback, the next residual (``residual``: on commit it swaps with the current one).
 
         A fresh vector costs a page fault per 4 KB the first time each page is written (~25K per
-        100 MB; on two shared cores a 25M-value round spent ~0.1 s of system time on them).
+        100 MB; on two shared cores a 25M-value round spent ~0.2 s of system time on them).
         Rounds on one peer are sequential, so one buffer of each is enough: the tensor work of
         an attempt that ended runs on the same single worker thread as the next round's (first
         the flatten), in submission order, and a failed attempt's leftovers never reach a result.
