@@ -1,10 +1,10 @@
 """The data half of a round: the butterfly all-reduce's streams for one agreed group.
 
-On the wire, member i opens one ``part`` stream to every other member j and
-sends a header (group, weight, sizes) and then its pieces of part j; on the
-same stream j sends back each averaged piece of part j as soon as every
-member's copy of that piece is in, or ``{"ok": false, "reason": ...}`` once
-the attempt failed. Both directions run at once, so averaged pieces travel
+On the wire, member i opens ``part`` streams ("lanes", ``Group.lanes``) to
+every other member j; on lane l it sends a header (group, weight, sizes,
+lane) and then its pieces k of part j with k % lanes == l; on the same stream
+j sends back each of those pieces averaged as soon as every member's copy of
+it is in, or ``{"ok": false, "reason": ...}`` once the attempt failed. Both directions run at once, so averaged pieces travel
 while later pieces are still arriving. ``RoundProtocol`` (rounds.py) forms the
 group, hands the streams of its members here, and runs the vote afterwards.
 
@@ -40,32 +40,34 @@ class PartExchange:
 
     async def run(self, group: Group, deadline: float) -> None:
         """Return once ``group.result`` holds the whole average (every member's part placed)."""
-        exchanges = [self._exchange(group, j, deadline) for j in range(len(group.members)) if j != group.index]
+        exchanges = [self._exchange(group, j, lane, deadline)
+                     for j in range(len(group.members)) if j != group.index for lane in range(group.lanes(j))]
         own = [self._contribute_own(group), group.all_reduced(deadline)]
         await all_or_fail([asyncio.ensure_future(c) for c in [*own, *exchanges]], group)
 
-    async def _exchange(self, group: Group, j: int, deadline: float) -> None:
-        """Stream our pieces of member j's part to j while j streams the averaged pieces back."""
+    async def _exchange(self, group: Group, j: int, lane: int, deadline: float) -> None:
+        """Stream our pieces of member j's part on ``lane`` to j while j streams them back averaged."""
         _, reader, writer = await self._open_stream(group.members[j], "part")
         try:
-            header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel()}
+            header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel(),
+                      "lane": lane}
             self.metrics.sent_bytes.inc(await write_frame(writer, header))
-            sending = asyncio.ensure_future(self._send_pieces(group, j, writer))
-            receiving = asyncio.ensure_future(self._receive_average(group, j, reader, deadline))
+            sending = asyncio.ensure_future(self._send_pieces(group, j, lane, writer))
+            receiving = asyncio.ensure_future(self._receive_average(group, j, lane, reader, deadline))
             await all_or_fail([sending, receiving], group)
         finally:
             await close_writer(writer)
 
-    async def _send_pieces(self, group: Group, j: int, writer) -> None:
-        """Our contribution to part j, piece by piece (encoded off the event loop)."""
-        for k in range(len(group.pieces[j])):
+    async def _send_pieces(self, group: Group, j: int, lane: int, writer) -> None:
+        """Our contribution to part j's pieces of ``lane``, piece by piece (encoded off the event loop)."""
+        for k in group.lane_pieces(j, lane):
             payload = await off_loop(group.encode_piece, j, k)
             self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
         faults.checkpoint("reduce", group.round + 1, len(group.members))
 
-    async def _receive_average(self, group: Group, j: int, reader, deadline: float) -> None:
-        """Member j's averaged pieces of its part, into our result; count whatever is malformed."""
-        for k in range(len(group.pieces[j])):
+    async def _receive_average(self, group: Group, j: int, lane: int, reader, deadline: float) -> None:
+        """Member j's averaged pieces of its part on ``lane``, into our result; count whatever is malformed."""
+        for k in group.lane_pieces(j, lane):
             expected = group.piece_bytes(j, k)
             try:
                 header, payload = await self._read_payload(reader, expected, deadline)
@@ -110,18 +112,19 @@ class PartExchange:
         our part and stream the averaged pieces back."""
         weight = hfield(header, "w", float)
         nbytes = hfield(header, "nbytes", int)
+        lane = hfield(header, "lane", int)
         try:
             if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.wire_bytes(group.index):
                 raise RoundFailed("bad_size")
-            group.add_weight(index, weight)
+            group.add_lane(index, lane, weight)
         except RoundFailed as e:
             group.fail(e.reason)
             raise
         deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
-        receiving = asyncio.ensure_future(self._receive_pieces(group, index, reader, deadline))
+        receiving = asyncio.ensure_future(self._receive_pieces(group, index, lane, reader, deadline))
         try:
             async with asyncio.timeout_at(deadline):  # also bounds writes to a requester that stopped reading
-                for k in range(len(group.reduced)):
+                for k in group.lane_pieces(group.index, lane):
                     data = await group.reduced_piece(k, deadline)
                     self.metrics.sent_bytes.inc(await write_frame(writer, {}, data))
         except (RoundFailed, TimeoutError) as e:
@@ -132,10 +135,10 @@ class PartExchange:
             receiving.cancel()
             await asyncio.gather(receiving, return_exceptions=True)
 
-    async def _receive_pieces(self, group: Group, index: int, reader, deadline: float) -> None:
-        """Member ``index``'s pieces of our part; anything wrong fails the round at once."""
+    async def _receive_pieces(self, group: Group, index: int, lane: int, reader, deadline: float) -> None:
+        """Member ``index``'s pieces of our part on ``lane``; anything wrong fails the round at once."""
         try:
-            for k in range(len(group.reduced)):
+            for k in group.lane_pieces(group.index, lane):
                 expected = group.piece_bytes(group.index, k)
                 _, payload = await self._read_payload(reader, expected, deadline)
                 if len(payload) != expected:

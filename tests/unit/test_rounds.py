@@ -299,8 +299,8 @@ async def test_averaged_pieces_flow_back_before_the_input_is_complete(monkeypatc
         events.append(("placed", group.me, index, k))
         place(group, index, k, data)
 
-    async def slow_last_piece(group, j, writer):
-        for k in range(len(group.pieces[j])):
+    async def slow_last_piece(group, j, lane, writer):
+        for k in group.lane_pieces(j, lane):
             if k == len(group.pieces[j]) - 1:
                 await asyncio.sleep(1.0)
                 events.append(("last_piece_sent", group.me, j, k))
@@ -326,8 +326,8 @@ async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason,
     peers = await start_peers(3, min_peers=3, codec="int8")
     (a, ra, ma), (b, rb, mb), (c, rc, mc) = sorted(peers, key=lambda p: p[0].peer_id)
 
-    async def damaged_second_piece(group, j, writer):
-        for k in range(len(group.pieces[j])):
+    async def damaged_second_piece(group, j, lane, writer):
+        for k in group.lane_pieces(j, lane):
             payload = bytearray(group.encode_piece(j, k))
             if k == 1 and j == 0:  # only a's part is damaged
                 if damage == "bad_code":
@@ -355,6 +355,28 @@ async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason,
         assert all(r is not None and torch.equal(r[0], res[0][0]) for r in res), [r.last for r in (ra, rb, rc)]
     finally:
         await stop_peers(peers)
+
+
+def test_every_piece_travels_on_exactly_one_lane_and_a_lane_opens_once(monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    for numel in (4, 3 * 256, 40 * 256 + 3):  # parts of 1, 2 and ~14 pieces
+        group = Group(os.urandom(16), 0, ["a", "b", "c"], "a", torch.randn(numel), 1.0, get_codec("fp32"))
+        for j in range(3):
+            lanes = group.lanes(j)
+            assert 1 <= lanes <= p2p.group.LANES and lanes <= max(1, len(group.pieces[j]))
+            carried = sorted(k for lane in range(lanes) for k in group.lane_pieces(j, lane))
+            assert carried == list(range(len(group.pieces[j])))
+    group.add_lane(1, 0, 2.0)
+    group.add_lane(1, 1, 2.0)  # the same weight on every lane of a member
+    assert group.weights[1] == 2.0
+    with pytest.raises(RoundFailed, match="duplicate_part"):
+        group.add_lane(1, 1, 2.0)
+    with pytest.raises(RoundFailed, match="bad_weight"):
+        group.add_lane(1, 2, 3.0)
+    with pytest.raises(RoundFailed, match="bad_lane"):
+        group.add_lane(2, group.lanes(0), 1.0)
+    with pytest.raises(RoundFailed, match="bad_lane"):
+        group.add_lane(2, -1, 1.0)
 
 
 async def test_group_refuses_duplicates_and_never_encodes_non_finite_input():
