@@ -69,7 +69,8 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"codec input must be a 1-D contiguous float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
-def _check_out(out: torch.Tensor, numel: int, what: str = "decode out=") -> torch.Tensor:
+def check_vector(out: torch.Tensor, numel: int, what: str = "decode out=") -> torch.Tensor:
+    """``out`` if it is a contiguous fp32 CPU vector of ``numel`` values; ValueError naming ``what`` otherwise."""
     if out.dtype != torch.float32 or out.shape != (numel,) or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError(f"{what} must be a contiguous float32 CPU tensor of shape ({numel},), "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
@@ -139,7 +140,7 @@ class FloatCodec(Codec):
     def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
         _check_input(x)
         if decoded is not None:
-            _check_out(decoded, x.numel(), "encode decoded=")
+            check_vector(decoded, x.numel(), "encode decoded=")
         y = x.to(self.dtype)
         if not all_finite(y):
             if not all_finite(x):
@@ -155,7 +156,7 @@ class FloatCodec(Codec):
     def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         raw, private = _payload(self, data, numel)
         if out is not None:
-            out = _check_out(out, numel)
+            out = check_vector(out, numel)
             out.copy_(raw.view(self.dtype))
         else:
             out = raw.view(self.dtype).to(torch.float32)
@@ -207,7 +208,7 @@ class BlockCodec(Codec):
         _check_input(x)
         numel, nblocks = x.numel(), -(-x.numel() // self.block_size)
         if decoded is not None:
-            _check_out(decoded, numel, "encode decoded=")
+            check_vector(decoded, numel, "encode decoded=")
         out = torch.empty(self.wire_bytes(numel), dtype=torch.uint8)
         scales, codes = out[: 4 * nblocks].view(torch.float32), out[4 * nblocks :]
         for start, count, length in self._pieces(numel):
@@ -235,7 +236,7 @@ class BlockCodec(Codec):
             raise CodecError("negative_scale")
         if (scales > SCALE_LIMIT).any():
             raise CodecError("scale_overflow")
-        out = torch.empty(numel, dtype=torch.float32) if out is None else _check_out(out, numel)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
         for start, count, length in self._pieces(numel):
             first = start // self.block_size
             offset = first * self.block_bytes(self.block_size)

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from p2p.codecs import Codec, ErrorFeedback
+from p2p.codecs import Codec, ErrorFeedback, check_vector
 
 
 def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -69,12 +69,9 @@ def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None,
     once, whatever its device and type), plus the vector ``plus`` if given (added while copying:
     error feedback's residual costs no extra pass over the vector)."""
     numel = sum(t.numel() for t in tensors)
-    if plus is not None and (plus.dtype != torch.float32 or plus.shape != (numel,) or plus.device.type != "cpu"):
-        raise ValueError(f"flatten plus= must be a float32 CPU tensor of shape ({numel},)")
-    if out is None:
-        out = torch.empty(numel, dtype=torch.float32)
-    elif out.dtype != torch.float32 or out.shape != (numel,) or out.device.type != "cpu" or not out.is_contiguous():
-        raise ValueError(f"flatten out= must be a contiguous float32 CPU tensor of shape ({numel},)")
+    if plus is not None:
+        check_vector(plus, numel, "flatten plus=")
+    out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel, "flatten out=")
     offset = 0
     for t in tensors:
         dest, values = out[offset : offset + t.numel()], t.detach().reshape(-1)

@@ -4,9 +4,10 @@ On the wire, member i opens ``part`` streams ("lanes", ``Group.lanes``) to
 every other member j; on lane l it sends a header (group, weight, sizes,
 lane) and then its pieces k of part j with k % lanes == l; on the same stream
 j sends back each of those pieces averaged as soon as every member's copy of
-it is in, or ``{"ok": false, "reason": ...}`` once the attempt failed. Both directions run at once, so averaged pieces travel
-while later pieces are still arriving. ``RoundProtocol`` (rounds.py) forms the
-group, hands the streams of its members here, and runs the vote afterwards.
+it is in, or ``{"ok": false, "reason": ...}`` once the attempt failed. Both
+directions run at once, so averaged pieces travel while later pieces are
+still arriving. ``RoundProtocol`` (rounds.py) forms the group, hands the
+streams of its members here, and runs the vote afterwards.
 
 The tensor work runs on one worker thread (``off_loop``) while the event loop
 keeps every stream moving.

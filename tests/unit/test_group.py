@@ -1,0 +1,121 @@
+"""One averaging group's pure bookkeeping: parts, pieces, lanes, what encoding keeps, the vote (no network)."""
+
+import os
+
+import pytest
+import torch
+
+import p2p.group
+from p2p.codecs import get_codec
+from p2p.compression import flatten, part_bounds
+from p2p.group import Group, RoundFailed, digest, piece_digest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_part_bounds_cover_everything():
+    for numel, parts in [(10, 3), (3, 5), (1000, 7)]:
+        b = part_bounds(numel, parts)
+        assert b[0][0] == 0 and b[-1][1] == numel
+        assert all(b[i][1] == b[i + 1][0] for i in range(parts - 1))
+        assert max(e - s for s, e in b) - min(e - s for s, e in b) <= 1
+
+
+def test_flatten_copies_every_tensor_once_and_adds_the_residual_on_the_way():
+    tensors = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.arange(2, dtype=torch.float16)]
+    expected = torch.cat([t.reshape(-1).float() for t in tensors])
+    assert torch.equal(flatten(tensors), expected)
+    out, plus = torch.full((19,), float("nan")), torch.randn(19)
+    assert flatten(tensors, out) is out and torch.equal(out, expected)
+    assert flatten(tensors, out, plus) is out and torch.equal(out, expected + plus)
+    with pytest.raises(ValueError, match="out="):
+        flatten(tensors, torch.empty(18))
+    with pytest.raises(ValueError, match="plus="):
+        flatten(tensors, out, torch.empty(19, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_encoding_keeps_what_receivers_decode_of_our_part_and_what_feedback_needs_of_all(feedback, monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    flat, codec = torch.randn(3000), get_codec("int4")
+    sent = torch.full((3000,), float("nan"))
+    residual = torch.full((3000,), float("nan")) if feedback else None
+    group = Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec, residual, sent)
+    assert group.sent is sent
+    for j in range(3):
+        for k, (start, end) in enumerate(group.pieces[j]):
+            payload = group.encode_piece(j, k)
+            decoded = codec.decode(payload, end - start)
+            if j == group.index:  # we average our own piece as its receivers would decode it
+                assert torch.equal(sent[start:end], decoded)
+            else:
+                assert torch.isnan(sent[start:end]).all()
+            if feedback:  # what the receivers will not get of every piece
+                assert torch.equal(residual[start:end], flat[start:end] - decoded)
+
+
+def test_every_piece_travels_on_exactly_one_lane_and_a_lane_opens_once(monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    for numel in (4, 3 * 256, 40 * 256 + 3):  # parts of 1, 2 and ~14 pieces
+        group = Group(os.urandom(16), 0, ["a", "b", "c"], "a", torch.randn(numel), 1.0, get_codec("fp32"))
+        for j in range(3):
+            lanes = group.lanes(j)
+            assert 1 <= lanes <= p2p.group.LANES and lanes <= max(1, len(group.pieces[j]))
+            carried = sorted(k for lane in range(lanes) for k in group.lane_pieces(j, lane))
+            assert carried == list(range(len(group.pieces[j])))
+    group.add_lane(1, 0, 2.0)
+    group.add_lane(1, 1, 2.0)  # the same weight on every lane of a member
+    assert group.weights[1] == 2.0
+    with pytest.raises(RoundFailed, match="duplicate_part"):
+        group.add_lane(1, 1, 2.0)
+    with pytest.raises(RoundFailed, match="bad_weight"):
+        group.add_lane(1, 2, 3.0)
+    with pytest.raises(RoundFailed, match="bad_lane"):
+        group.add_lane(2, group.lanes(0), 1.0)
+    with pytest.raises(RoundFailed, match="bad_lane"):
+        group.add_lane(2, -1, 1.0)
+
+
+async def test_group_refuses_duplicates_and_never_encodes_non_finite_input():
+    flat = torch.randn(1000)
+    group = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, get_codec("int8"))
+    with pytest.raises(RoundFailed, match="duplicate_part"):
+        group.add_weight(0, 2.0)  # our own weight is in already
+    with pytest.raises(RoundFailed, match="bad_weight"):
+        group.add_weight(1, float("nan"))
+    group.add_weight(1, 1.0)
+    piece = group.decode_piece(0, group.encode_piece(0, 0))
+    assert not group.add_piece(1, 0, piece)
+    with pytest.raises(RoundFailed, match="duplicate_part"):
+        group.add_piece(1, 0, piece)
+    flat[3] = float("nan")
+    with pytest.raises(RoundFailed, match="non_finite_input"):
+        group.encode_piece(0, 0)
+
+
+def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    flat = torch.randn(2000)
+    codec = get_codec("fp32")
+    group = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, codec)
+    places = [(j, k) for j in range(2) for k in range(len(group.pieces[j]))]
+    assert len(places) > 4
+    for j, k in reversed(places):  # arrival order does not matter
+        start, end = group.pieces[j][k]
+        if (j, k) != places[0]:
+            group.place_piece(j, k, codec.encode(flat[start:end]))
+    with pytest.raises(AssertionError):
+        group.digest()  # a piece is missing
+    start, end = group.pieces[0][0]
+    group.place_piece(0, 0, codec.encode(flat[start:end]))
+    assert torch.equal(group.result, flat)
+    vote = group.digest()
+    assert vote == digest([piece_digest(codec.encode(flat[s:e])) for j in range(2) for s, e in group.pieces[j]], group.id)
+    other = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, codec)
+    changed = flat.clone()
+    changed[1999] += 1.0
+    for j, k in places:
+        start, end = other.pieces[j][k]
+        other.place_piece(j, k, codec.encode(changed[start:end]))
+    assert other.digest() != digest([piece_digest(codec.encode(flat[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
+    assert other.digest() == digest([piece_digest(codec.encode(changed[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
