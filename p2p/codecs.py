@@ -41,6 +41,8 @@ import sys
 
 import torch
 
+from p2p import native as native_kernels
+
 if sys.byteorder != "little":  # payloads are the in-memory bytes of torch tensors
     raise ImportError("p2p.codecs assumes a little-endian host")
 
@@ -280,12 +282,41 @@ class Nibble4Codec(BlockCodec):
     # that code times the scale).
     values16: torch.Tensor
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS,
+                 native: bool = True) -> None:
         super().__init__(block_size, chunk_elems=chunk_elems)
         byte = torch.arange(256)
         # The value of each possible byte's low and high nibble: decoding a
         # block's two halves is one gather each, written contiguously.
         self.low_values, self.high_values = self.values16[byte & 15], self.values16[byte >> 4]
+        # Encode and decode with the C kernels (p2p/native.py) where they can be built; the torch
+        # code below is the reference they are tested against, and the fallback.
+        self.native = native and block_size <= native_kernels.MAX_BLOCK
+
+    def kernels(self) -> native_kernels.NibbleKernels | None:
+        return native_kernels.kernels() if self.native else None
+
+    def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
+        kernels = self.kernels()
+        if kernels is None:
+            return super().encode(x, decoded)
+        _check_input(x)
+        if decoded is not None:
+            check_vector(decoded, x.numel(), "encode decoded=")
+        out = torch.empty(self.wire_bytes(x.numel()), dtype=torch.uint8)
+        if reason := kernels.encode(self.base_name, x, self.block_size, out, decoded):
+            raise CodecError(reason)
+        return out.numpy().tobytes()
+
+    def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        kernels = self.kernels()
+        if kernels is None:
+            return super().decode(data, numel, out)
+        raw, _ = _payload(self, data, numel)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
+        if reason := kernels.decode(self.base_name, raw, numel, self.block_size, out):
+            raise CodecError(reason)
+        return out
 
     def block_bytes(self, length: int) -> int:
         return (length + 1) // 2
@@ -330,8 +361,9 @@ class FP4Codec(Nibble4Codec):
     _levels = torch.arange(-7.0, 8.0)
     values16 = torch.cat([torch.tensor([float("nan")]), _levels.sign() * torch.ldexp(torch.ones(15), _levels.abs().int() - 7)])
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
-        super().__init__(block_size, chunk_elems=chunk_elems)
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS,
+                 native: bool = True) -> None:
+        super().__init__(block_size, chunk_elems=chunk_elems, native=native)
         # The code of a scaled value (|v| <= 1) depends only on its sign, its
         # exponent and its first mantissa bit: the top 10 bits of its fp32
         # pattern. The nearest power of two is 2^(exponent + bit) (the bit is

@@ -93,6 +93,9 @@ class RoundProtocol:
         self.exchange = PartExchange(self._open, metrics, swarm.reject, self.deadlines)
 
     async def start(self) -> None:
+        kernels = getattr(self.codec, "kernels", None)
+        if kernels is not None:  # build or load a 4-bit codec's C kernels now, not inside the first round
+            await asyncio.to_thread(kernels)
         p2p = self.swarm.p2p
         await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin))
         await p2p.add_binary_stream_handler(self._names["part"], self._guard(self._on_part))

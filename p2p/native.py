@@ -1,0 +1,131 @@
+"""The C kernels of the 4-bit codecs (``nibble.c``): built once per machine, loaded with ctypes.
+
+``kernels()`` gives the loaded kernels, or None where they cannot be had: no C
+compiler, a build that fails, or ``GONKA_NATIVE=0`` in the environment. The
+codecs then run their torch code, which gives the same bytes and values (the
+tests check both), only slower. ctypes releases the GIL for each call, so the
+kernels run on the round's worker thread while the event loop goes on.
+
+The library is built with ``$CC`` (default ``cc``) into ``$GONKA_NATIVE_DIR``,
+else ``$XDG_CACHE_HOME/gonka-node``, else ``~/.cache/gonka-node``, under a name
+that hashes the source, the flags and the compiler, so a changed source is
+rebuilt. It is compiled to a temporary name and renamed into place: nodes that
+start at once on one host never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("nibble.c")
+# -ffp-contract=off: no fused multiply-add, so each value is the single fp32 multiply torch does.
+FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+BUILD_TIMEOUT_S = 120.0
+
+# Return codes of the kernels, as p2p.codecs.CodecError reasons.
+ERRORS = {1: "non_finite_input", 2: "non_finite_scale", 3: "negative_scale", 4: "scale_overflow", 5: "bad_code",
+          6: "bad_padding"}
+KINDS = {"int4": 0, "fp4": 1}
+MAX_BLOCK = 65536  # nibble.c's largest block (its scratch buffer)
+
+
+class NibbleKernels:
+    """``encode``/``decode`` of whole vectors in the int4 or fp4 wire format, on raw tensor memory."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._encode, self._decode = lib.gonka_nibble_encode, lib.gonka_nibble_decode
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._encode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr]
+        self._decode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+        self._encode.restype = self._decode.restype = ctypes.c_int
+
+    def encode(self, kind: str, x: torch.Tensor, block: int, out: torch.Tensor, decoded: torch.Tensor | None) -> str | None:
+        """Fill ``out`` (uint8, the exact wire size) from ``x`` (and ``decoded``); an error reason or None.
+
+        The caller checks every shape, dtype and contiguity: the kernel trusts them."""
+        code = self._encode(KINDS[kind], x.data_ptr(), x.numel(), block, out.data_ptr(),
+                            None if decoded is None else decoded.data_ptr())
+        return self._reason(code)
+
+    def decode(self, kind: str, payload: torch.Tensor, numel: int, block: int, out: torch.Tensor) -> str | None:
+        """Decode ``payload`` (uint8, already checked to be the exact wire size) into ``out``; an error reason or None."""
+        return self._reason(self._decode(KINDS[kind], payload.data_ptr(), numel, block, out.data_ptr()))
+
+    @staticmethod
+    def _reason(code: int) -> str | None:
+        if code < 0:
+            raise ValueError("nibble kernels: bad block size or numel")
+        return ERRORS.get(code) if code else None
+
+
+def cache_dir() -> Path:
+    if os.environ.get("GONKA_NATIVE_DIR"):
+        return Path(os.environ["GONKA_NATIVE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gonka-node"
+
+
+def library_path(compiler: list[str]) -> Path:
+    """Where the build of this source with these flags and this compiler lives."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join([*compiler, *FLAGS, platform.machine(), sys.platform]).encode())
+    return cache_dir() / f"nibble-{h.hexdigest()[:16]}.so"
+
+
+def build(compiler: list[str] | None = None) -> Path:
+    """Compile the kernels (unless this build is there already) and return the library's path.
+
+    Raises OSError or subprocess.CalledProcessError (with the compiler's output) on failure."""
+    compiler = compiler or shlex.split(os.environ.get("CC") or "cc")
+    path = library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True,
+                       timeout=BUILD_TIMEOUT_S)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def kernels() -> NibbleKernels | None:
+    """The kernels, built on first use; None (after one warning) where they cannot be had."""
+    if os.environ.get("GONKA_NATIVE", "1") == "0":
+        return None
+    if sys.byteorder != "little":
+        return None
+    try:
+        path = build()
+        return NibbleKernels(ctypes.CDLL(str(path)), path)
+    except subprocess.CalledProcessError as e:
+        detail = (e.stderr or "").strip().splitlines()[:1]
+        log.warning("4-bit codec kernels did not build (%s); using the slower torch code", detail or e)
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        log.warning("4-bit codec kernels unavailable (%s); using the slower torch code", e)
+    return None
+
+
+if __name__ == "__main__":  # scripts/setup: build now rather than on the first round
+    found = kernels()
+    print(f"4-bit codec kernels: {found.path if found else 'unavailable, the torch code is used'}")

@@ -1,0 +1,164 @@
+"""The C kernels of the 4-bit codecs against their torch reference: same bytes, same values, same errors;
+and how they are built, cached and given up on."""
+
+import logging
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from p2p import native
+from p2p.codecs import CodecError, FP4Codec, Int4Codec
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler to build the kernels"),
+]
+
+CLASSES = {"int4": Int4Codec, "fp4": FP4Codec}
+SIZES = (0, 1, 2, 3, 5, 255, 256, 257, 511, 4097, 100_003)
+
+
+def pair(name: str, block: int):
+    fast, reference = CLASSES[name](block), CLASSES[name](block, native=False)
+    assert fast.kernels() is not None, "the kernels did not build"
+    assert reference.kernels() is None
+    return fast, reference
+
+
+def inputs(n: int, seed: int):
+    """Gaussians at many magnitudes, with zeros and signed zeros, near fp32's top, and subnormal."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    yield x
+    yield x * 1e-30
+    yield x * 1e30
+    mixed = x.clone()
+    mixed[::3], mixed[1::5] = 0.0, -0.0
+    yield mixed
+    if n:
+        yield x / x.abs().max() * 3e38  # absmax / qmax above SCALE_LIMIT: the scale is clamped
+    yield torch.where(torch.rand(n, generator=g) < 0.5, x, -0.0 * x) * 1e-40
+    yield torch.zeros(n)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+def reason(codec, data, numel):
+    try:
+        return codec.decode(data, numel), None
+    except CodecError as e:
+        return None, e.reason
+
+
+@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("block", (2, 6, 256, 1000))
+def test_same_bytes_and_values_as_the_torch_code(name, block):
+    fast, reference = pair(name, block)
+    for n in SIZES:
+        for x in inputs(n, seed=n):
+            got, want = torch.empty(n), torch.empty(n)
+            payload = fast.encode(x, got)
+            assert payload == reference.encode(x, want), (n, block)
+            assert torch.equal(bits(got), bits(want))  # signed zeros included
+            assert torch.equal(bits(fast.decode(payload, n)), bits(got))
+            assert torch.equal(bits(reference.decode(payload, n)), bits(got))
+
+
+@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("block", (6, 256))
+def test_hostile_bytes_fail_the_same_way(name, block):
+    fast, reference = pair(name, block)
+    g = torch.Generator().manual_seed(1)
+    seen = set()
+    for n in (1, 3, 5, 257, 4097):
+        nblocks = -(-n // block)
+        valid = fast.encode(torch.randn(n, generator=g))
+        for trial in range(40):
+            junk = bytearray(torch.randint(0, 256, (len(valid),), generator=g, dtype=torch.uint8).numpy().tobytes())
+            if trial % 2:  # valid scales, random codes: reach the code and padding checks
+                junk[: 4 * nblocks] = valid[: 4 * nblocks]
+            if trial % 4 == 3:  # all codes valid but one nibble per byte
+                junk[4 * nblocks:] = bytes(b | 0x88 for b in junk[4 * nblocks:])
+            got, got_reason = reason(fast, bytes(junk), n)
+            want, want_reason = reason(reference, bytes(junk), n)
+            assert got_reason == want_reason, (n, trial)
+            if want_reason is None:
+                assert torch.equal(bits(got), bits(want))
+            seen.add(want_reason)
+    assert {"non_finite_scale", "bad_code", None} <= seen
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_each_scale_and_padding_error(name):
+    fast, reference = pair(name, 4)
+    n = 5  # two blocks, the second of one value: a pad nibble
+    payload = bytearray(fast.encode(torch.arange(1.0, 6.0)))
+    cases = {
+        "non_finite_scale": (0, torch.tensor([float("inf")])),
+        "negative_scale": (4, torch.tensor([-1.0])),
+        "scale_overflow": (0, torch.tensor([2.0**121])),
+    }
+    for expected, (offset, scale) in cases.items():
+        bad = bytearray(payload)
+        bad[offset:offset + 4] = scale.numpy().tobytes()
+        assert reason(fast, bytes(bad), n)[1] == reason(reference, bytes(bad), n)[1] == expected
+    bad = bytearray(payload)
+    bad[-1] = (bad[-1] & 0x0F) | 0x30  # the pad nibble must be 8
+    assert reason(fast, bytes(bad), n)[1] == reason(reference, bytes(bad), n)[1] == "bad_padding"
+    bad[8] = 0x80  # code 0 in the first block comes first
+    assert reason(fast, bytes(bad), n)[1] == reason(reference, bytes(bad), n)[1] == "bad_code"
+
+
+@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("bad", (float("nan"), float("inf"), float("-inf")))
+def test_non_finite_input_is_refused(name, bad):
+    fast, reference = pair(name, 256)
+    x = torch.randn(1000)
+    x[700] = bad
+    for codec in (fast, reference):
+        with pytest.raises(CodecError) as e:
+            codec.encode(x)
+        assert e.value.reason == "non_finite_input"
+
+
+def test_a_build_is_cached_under_its_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("GONKA_NATIVE_DIR", str(tmp_path / "cache"))
+    path = native.build()
+    assert path.parent == tmp_path / "cache" and path.name.startswith("nibble-") and path.suffix == ".so"
+    stamp = path.stat().st_mtime_ns
+    assert native.build() == path and path.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
+    assert native.library_path(["some-other-cc"]) != path
+
+
+def test_a_failed_build_leaves_nothing_and_falls_back(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GONKA_NATIVE_DIR", str(tmp_path))
+    with pytest.raises(subprocess.CalledProcessError):
+        native.build(["false"])
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("CC", "false")
+    native.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="p2p.native"):
+            assert native.kernels() is None
+        assert "did not build" in caplog.text
+        codec = Int4Codec()
+        x = torch.randn(1000)
+        assert codec.kernels() is None and codec.decode(codec.encode(x), 1000).shape == (1000,)
+    finally:
+        native.kernels.cache_clear()
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("GONKA_NATIVE", "0")
+    native.kernels.cache_clear()
+    try:
+        assert native.kernels() is None
+        assert FP4Codec().kernels() is None
+    finally:
+        native.kernels.cache_clear()
