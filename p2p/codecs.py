@@ -291,7 +291,7 @@ class Nibble4Codec(BlockCodec):
         self.low_values, self.high_values = self.values16[byte & 15], self.values16[byte >> 4]
         # Encode and decode with the C kernels (p2p/native.py) where they can be built; the torch
         # code below is the reference they are tested against, and the fallback.
-        self.native = native and block_size <= native_kernels.MAX_BLOCK
+        self.native = native
 
     def kernels(self) -> native_kernels.NibbleKernels | None:
         return native_kernels.kernels() if self.native else None

@@ -40,7 +40,6 @@ BUILD_TIMEOUT_S = 120.0
 ERRORS = {1: "non_finite_input", 2: "non_finite_scale", 3: "negative_scale", 4: "scale_overflow", 5: "bad_code",
           6: "bad_padding"}
 KINDS = {"int4": 0, "fp4": 1}
-MAX_BLOCK = 65536  # nibble.c's largest block (its scratch buffer)
 
 
 class NibbleKernels:

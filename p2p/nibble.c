@@ -19,7 +19,6 @@ enum { KIND_INT4 = 0, KIND_FP4 = 1 };
 enum { OK = 0, NON_FINITE_INPUT, NON_FINITE_SCALE, NEGATIVE_SCALE, SCALE_OVERFLOW, BAD_CODE, BAD_PADDING };
 
 #define SCALE_LIMIT 0x1p120f /* p2p.codecs.SCALE_LIMIT */
-#define MAX_BLOCK 65536
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 /* One build for any x86-64 host: the AVX2 version is picked at load time where the CPU has it. */
@@ -64,65 +63,30 @@ static uint32_t absmax_bits(const float *x, int64_t n) {
     return m;
 }
 
-/* Codes of n values divided by divisor; into decoded (if not NULL) each code's value times scale. */
-MULTIVERSION
-static void int4_codes(const float *x, int64_t n, float divisor, float scale, uint8_t *codes, float *decoded) {
-    for (int64_t i = 0; i < n; i++) {
-        float q = __builtin_nearbyintf(x[i] / divisor); /* round half to even, as torch.round */
-        q = q < -7.0f ? -7.0f : (q > 7.0f ? 7.0f : q);
-        codes[i] = (uint8_t)((int32_t)q + 8);
-    }
-    if (decoded)
-        for (int64_t i = 0; i < n; i++)
-            decoded[i] = int4_value(codes[i]) * scale;
+static inline uint32_t int4_code(float v) {
+    float q = __builtin_nearbyintf(v); /* round half to even, as torch.round */
+    q = q < -7.0f ? -7.0f : (q > 7.0f ? 7.0f : q);
+    return (uint32_t)((int32_t)q + 8);
 }
 
+/* One block of n values divided by divisor, packed: value j in the low nibble of byte j, value
+ * j + h in its high nibble, h = ceil(n / 2); an odd block ends with the pad code 8. */
 MULTIVERSION
-static void fp4_codes(const float *x, int64_t n, float divisor, float scale, uint8_t *codes, float *decoded) {
-    for (int64_t i = 0; i < n; i++)
-        codes[i] = (uint8_t)fp4_code(x[i] / divisor);
-    if (decoded)
-        for (int64_t i = 0; i < n; i++)
-            decoded[i] = fp4_value(codes[i]) * scale;
-}
-
-/* Two codes per byte: value j in the low nibble, value j + h in the high one, h = ceil(n / 2);
- * an odd block ends with the pad code 8. */
-MULTIVERSION
-static void pack(const uint8_t *codes, int64_t n, uint8_t *out) {
+static void int4_pack(const float *x, int64_t n, float divisor, uint8_t *out) {
     int64_t h = (n + 1) / 2, full = n - h;
     for (int64_t j = 0; j < full; j++)
-        out[j] = (uint8_t)(codes[j] | (codes[j + h] << 4));
+        out[j] = (uint8_t)(int4_code(x[j] / divisor) | int4_code(x[j + h] / divisor) << 4);
     if (full < h)
-        out[h - 1] = (uint8_t)(codes[h - 1] | (8 << 4));
+        out[h - 1] = (uint8_t)(int4_code(x[h - 1] / divisor) | 8u << 4);
 }
 
-/* Encode numel values: nblocks fp32 scales, then the packed codes, into out (wire_bytes(numel)).
- * kind: KIND_INT4 (scale = absmax / 7) or KIND_FP4 (scale = absmax). Returns OK or
- * NON_FINITE_INPUT (out and decoded then hold garbage). */
-int gonka_nibble_encode(int kind, const float *x, int64_t numel, int64_t block, uint8_t *out, float *decoded) {
-    if (block < 2 || block % 2 || block > MAX_BLOCK || numel < 0)
-        return -1;
-    int64_t nblocks = (numel + block - 1) / block;
-    uint8_t *codes = out + 4 * nblocks, scratch[MAX_BLOCK];
-    float qmax = kind == KIND_INT4 ? 7.0f : 1.0f;
-    for (int64_t b = 0; b < nblocks; b++) {
-        int64_t start = b * block, n = numel - start < block ? numel - start : block;
-        uint32_t m = absmax_bits(x + start, n);
-        if (m >= 0x7F800000u)
-            return NON_FINITE_INPUT;
-        float scale = float_of(m) / qmax;
-        scale = scale > SCALE_LIMIT ? SCALE_LIMIT : scale;
-        memcpy(out + 4 * b, &scale, 4);
-        float divisor = scale > 0 ? scale : 1.0f; /* an all-zero block: codes of 0 */
-        float *dec = decoded ? decoded + start : 0;
-        if (kind == KIND_INT4)
-            int4_codes(x + start, n, divisor, scale, scratch, dec);
-        else
-            fp4_codes(x + start, n, divisor, scale, scratch, dec);
-        pack(scratch, n, codes + b * (block / 2));
-    }
-    return OK;
+MULTIVERSION
+static void fp4_pack(const float *x, int64_t n, float divisor, uint8_t *out) {
+    int64_t h = (n + 1) / 2, full = n - h;
+    for (int64_t j = 0; j < full; j++)
+        out[j] = (uint8_t)(fp4_code(x[j] / divisor) | fp4_code(x[j + h] / divisor) << 4);
+    if (full < h)
+        out[h - 1] = (uint8_t)(fp4_code(x[h - 1] / divisor) | 8u << 4);
 }
 
 /* The values of one block's packed codes times scale; nonzero if a code is 0 (invalid). */
@@ -156,12 +120,42 @@ static int unpack(int kind, const uint8_t *in, int64_t n, float scale, float *ou
     return zero != 0;
 }
 
+/* Encode numel values: nblocks fp32 scales, then the packed codes, into out (wire_bytes(numel));
+ * into decoded, if not NULL, what decoding out gives (by decoding it: the same code path).
+ * kind: KIND_INT4 (scale = absmax / 7) or KIND_FP4 (scale = absmax). Returns OK or
+ * NON_FINITE_INPUT (out and decoded then hold garbage). */
+int gonka_nibble_encode(int kind, const float *x, int64_t numel, int64_t block, uint8_t *out, float *decoded) {
+    if (block < 2 || block % 2 || numel < 0)
+        return -1;
+    int64_t nblocks = (numel + block - 1) / block;
+    uint8_t *codes = out + 4 * nblocks;
+    float qmax = kind == KIND_INT4 ? 7.0f : 1.0f;
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t start = b * block, n = numel - start < block ? numel - start : block;
+        uint32_t m = absmax_bits(x + start, n);
+        if (m >= 0x7F800000u)
+            return NON_FINITE_INPUT;
+        float scale = float_of(m) / qmax;
+        scale = scale > SCALE_LIMIT ? SCALE_LIMIT : scale;
+        memcpy(out + 4 * b, &scale, 4);
+        float divisor = scale > 0 ? scale : 1.0f; /* an all-zero block: codes of 0 */
+        uint8_t *packed = codes + b * (block / 2);
+        if (kind == KIND_INT4)
+            int4_pack(x + start, n, divisor, packed);
+        else
+            fp4_pack(x + start, n, divisor, packed);
+        if (decoded)
+            unpack(kind, packed, n, scale, decoded + start);
+    }
+    return OK;
+}
+
 /* Decode an untrusted payload of exactly wire_bytes(numel) bytes (the caller checks the size)
  * into out. Returns OK or, in the order the torch code checks them, NON_FINITE_SCALE,
  * NEGATIVE_SCALE, SCALE_OVERFLOW (any scale), then BAD_CODE (a code 0 in a full block),
  * then for a short last block BAD_PADDING before BAD_CODE. out then holds garbage. */
 int gonka_nibble_decode(int kind, const uint8_t *data, int64_t numel, int64_t block, float *out) {
-    if (block < 2 || block % 2 || block > MAX_BLOCK || numel < 0)
+    if (block < 2 || block % 2 || numel < 0)
         return -1;
     int64_t nblocks = (numel + block - 1) / block, full = numel / block;
     int non_finite = 0, negative = 0, overflow = 0;
