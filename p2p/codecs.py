@@ -32,6 +32,10 @@ the round, so ``wire_bytes(numel)`` is the exact payload size):
 ``nblocks = ceil(numel / block_size)``; block size is 256 unless a codec is
 built with another one (its name then says so, e.g. ``int8-b128``, so peers
 that agree on a name agree on the format).
+
+int4 and fp4 encode and decode with C kernels (``p2p/nibble.c``, loaded by
+``p2p/native.py``) where they can be built; the torch code here is their
+reference and fallback, and gives the same bytes and the same values.
 """
 
 from __future__ import annotations
