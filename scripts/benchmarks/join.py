@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     args.warmup_rounds = args.warmup_rounds or (1 if args.quick else 2)
     if args.donors < 1 or args.joins < 1 or args.inner_steps < 1:
         raise ValueError("--donors, --joins and --inner-steps must be >= 1")
-    rate_bps = netbed.parse_rate(args.rate)
+    netbed.parse_rate(args.rate)  # a bad --rate fails here, before any host is made
     joiner_rate = args.joiner_rate or args.rate
     joiner_bps = netbed.parse_rate(joiner_rate)
     size = state_bytes(args.model)
