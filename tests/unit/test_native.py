@@ -15,6 +15,7 @@ from p2p.codecs import CodecError, FP4Codec, Int4Codec
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler to build the kernels"),
+    pytest.mark.skipif(os.environ.get("GONKA_NATIVE") == "0", reason="GONKA_NATIVE=0 turns the kernels off"),
 ]
 
 CLASSES = {"int4": Int4Codec, "fp4": FP4Codec}
