@@ -71,53 +71,42 @@ static inline uint32_t int4_code(float v) {
     return (uint32_t)((int32_t)q + 8);
 }
 
+/* A kind's code of a scaled value, and the unscaled value of a code. */
+static inline uint32_t code_of(int kind, float v) { return kind == KIND_INT4 ? int4_code(v) : fp4_code(v); }
+static inline float value_of(int kind, uint32_t code) { return kind == KIND_INT4 ? int4_value(code) : fp4_value(code); }
+
 /* One block of n values divided by divisor, packed: value j in the low nibble of byte j, value
  * j + h in its high nibble, h = ceil(n / 2); an odd block ends with the pad code 8. */
-MULTIVERSION
-static void int4_pack(const float *x, int64_t n, float divisor, uint8_t *out) {
+static inline __attribute__((always_inline)) void pack(int kind, const float *x, int64_t n, float divisor,
+                                                       uint8_t *out) {
     int64_t h = (n + 1) / 2, full = n - h;
     for (int64_t j = 0; j < full; j++)
-        out[j] = (uint8_t)(int4_code(x[j] / divisor) | int4_code(x[j + h] / divisor) << 4);
+        out[j] = (uint8_t)(code_of(kind, x[j] / divisor) | code_of(kind, x[j + h] / divisor) << 4);
     if (full < h)
-        out[h - 1] = (uint8_t)(int4_code(x[h - 1] / divisor) | 8u << 4);
+        out[h - 1] = (uint8_t)(code_of(kind, x[h - 1] / divisor) | 8u << 4);
 }
 
+/* pack() for each kind: kind a constant in each, so its loop vectorizes (one with a run-time
+ * kind did not, and ran 3-5x slower). */
 MULTIVERSION
-static void fp4_pack(const float *x, int64_t n, float divisor, uint8_t *out) {
-    int64_t h = (n + 1) / 2, full = n - h;
-    for (int64_t j = 0; j < full; j++)
-        out[j] = (uint8_t)(fp4_code(x[j] / divisor) | fp4_code(x[j + h] / divisor) << 4);
-    if (full < h)
-        out[h - 1] = (uint8_t)(fp4_code(x[h - 1] / divisor) | 8u << 4);
-}
+static void pack_int4(const float *x, int64_t n, float divisor, uint8_t *out) { pack(KIND_INT4, x, n, divisor, out); }
+MULTIVERSION
+static void pack_fp4(const float *x, int64_t n, float divisor, uint8_t *out) { pack(KIND_FP4, x, n, divisor, out); }
 
 /* The values of one block's packed codes times scale; nonzero if a code is 0 (invalid). */
 MULTIVERSION
 static int unpack(int kind, const uint8_t *in, int64_t n, float scale, float *out) {
     int64_t h = (n + 1) / 2;
     uint32_t zero = 0;
-    if (kind == KIND_INT4) {
-        for (int64_t j = 0; j < h; j++) {
-            uint32_t c = in[j] & 15;
-            zero |= c == 0;
-            out[j] = int4_value(c) * scale;
-        }
-        for (int64_t j = 0; j < n - h; j++) {
-            uint32_t c = in[j] >> 4;
-            zero |= c == 0;
-            out[h + j] = int4_value(c) * scale;
-        }
-    } else {
-        for (int64_t j = 0; j < h; j++) {
-            uint32_t c = in[j] & 15;
-            zero |= c == 0;
-            out[j] = fp4_value(c) * scale;
-        }
-        for (int64_t j = 0; j < n - h; j++) {
-            uint32_t c = in[j] >> 4;
-            zero |= c == 0;
-            out[h + j] = fp4_value(c) * scale;
-        }
+    for (int64_t j = 0; j < h; j++) {
+        uint32_t c = in[j] & 15;
+        zero |= c == 0;
+        out[j] = value_of(kind, c) * scale;
+    }
+    for (int64_t j = 0; j < n - h; j++) {
+        uint32_t c = in[j] >> 4;
+        zero |= c == 0;
+        out[h + j] = value_of(kind, c) * scale;
     }
     return zero != 0;
 }
@@ -142,10 +131,7 @@ int gonka_nibble_encode(int kind, const float *x, int64_t numel, int64_t block, 
         memcpy(out + 4 * b, &scale, 4);
         float divisor = scale > 0 ? scale : 1.0f; /* an all-zero block: codes of 0 */
         uint8_t *packed = codes + b * (block / 2);
-        if (kind == KIND_INT4)
-            int4_pack(x + start, n, divisor, packed);
-        else
-            fp4_pack(x + start, n, divisor, packed);
+        (kind == KIND_INT4 ? pack_int4 : pack_fp4)(x + start, n, divisor, packed);
         if (decoded)
             unpack(kind, packed, n, scale, decoded + start);
     }
