@@ -86,7 +86,7 @@ class NodeConfig:
     control: str = ""
     # HOST:PORT of the Prometheus /metrics endpoint; "off" disables it.
     metrics_addr: str = "127.0.0.1:9400"
-    # Where the model trains: cpu, cuda, or auto (cuda when available).
+    # Where the model trains: cpu, cuda (the first GPU), cuda:N, or auto (cuda when available).
     device: str = "auto"
     # Seed of model initialisation and data order.
     seed: int = 0
@@ -114,7 +114,8 @@ class NodeConfig:
                 parse_host_port(self.metrics_addr)
             except ValueError as exc:
                 raise ValueError(f"node.metrics_addr: {exc} (or 'off')") from None
-        require(self.device in DEVICES, "node.device", f"must be one of {', '.join(DEVICES)} (got {self.device!r})")
+        require(self.device in DEVICES or re.fullmatch(r"cuda:\d{1,3}", self.device) is not None, "node.device",
+                f"must be one of {', '.join(DEVICES)} or cuda:N (got {self.device!r})")
         require(self.seed >= 0, "node.seed", f"must be >= 0 (got {self.seed})")
         require(self.max_rounds >= 0, "node.max_rounds", f"must be >= 0 (got {self.max_rounds})")
         require(self.threads >= 0, "node.threads", f"must be >= 0 (got {self.threads})")

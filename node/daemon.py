@@ -19,6 +19,7 @@ import time
 import torch
 
 from node.config import Config
+from node.loop import RunMismatch
 from node.status import Status, write_status_file
 
 log = logging.getLogger("gonka.node")
@@ -55,9 +56,26 @@ def run_node(config: Config) -> int:
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("node.device: cuda requested but no CUDA device is available")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"node.device: {name} requested but no CUDA device is available")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"node.device: {name} requested but this host has {torch.cuda.device_count()} CUDA devices")
     return name
+
+
+def open_data(paths: list[str]):
+    """The training tokens: a prepared token-shard directory, or text read as bytes."""
+    from trainer.data import load_corpus
+    from trainer.tokens import is_token_dataset, open_token_dataset
+
+    shards = [p for p in paths if is_token_dataset(p)]
+    if shards:
+        if len(paths) > 1:
+            raise UsageError(f"data.paths: {shards[0]} is a token-shard directory; give it alone, not with other paths")
+        return open_token_dataset(shards[0])
+    return load_corpus(paths)
 
 
 class Node:
@@ -102,6 +120,9 @@ class Node:
                 host = cfg.node.metrics_addr.rsplit(":", 1)[0]
                 print(f"metrics on http://{host}:{self.metrics.bound_port}/metrics", flush=True)
             await self.loop_.run()
+        except RunMismatch as e:
+            print(f"gonka-node: error: {e}", file=sys.stderr, flush=True)
+            code = EXIT_USAGE
         except Exception:
             log.exception("training loop failed")
             code = EXIT_RUNTIME
@@ -133,7 +154,6 @@ class Node:
         from p2p.swarm import Swarm
         from p2p.transfer import StateServer
         from trainer.checkpoint import load_checkpoint
-        from trainer.data import load_corpus
         from trainer.diloco import DiLoCoWorker
 
         cfg = self.config
@@ -141,7 +161,10 @@ class Node:
         if cfg.node.threads:
             torch.set_num_threads(cfg.node.threads)
         device = resolve_device(cfg.node.device)
-        corpus = await asyncio.to_thread(load_corpus, cfg.data.paths)
+        from trainer.model import check_source
+
+        await asyncio.to_thread(check_source, cfg.model)
+        corpus = await asyncio.to_thread(open_data, cfg.data.paths)
         checkpoint = await asyncio.to_thread(load_checkpoint, cfg.node.checkpoint_dir) if cfg.node.checkpoint_dir else None
         if checkpoint is not None and checkpoint.get("run_id") != cfg.node.run_id:
             raise UsageError(f"node.checkpoint_dir: holds run {checkpoint.get('run_id')!r}, not {cfg.node.run_id!r}")
@@ -167,6 +190,7 @@ class Node:
         self.swarm = await Swarm.start(
             cfg.swarm, cfg.node.run_id, identity_path=identity,
             on_reject=lambda reason: self.metrics.rejected_messages.labels(reason=reason).inc(),
+            announce=False,  # into the peer table only once the run's fingerprint is known
         )
         self.status.peer_id = self.swarm.peer_id
         self.status.multiaddrs = list(self.swarm.maddrs)
@@ -176,6 +200,13 @@ class Node:
             lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
                                  shard_key=self.swarm.peer_id, seed=cfg.node.seed, device=device)
         )
+        fingerprint = self.worker.fingerprint(cfg.swarm.codec)
+        if checkpoint is not None and checkpoint.get("fingerprint") not in (None, fingerprint.parts):
+            raise UsageError(f"node.checkpoint_dir: holds a checkpoint of another run: "
+                             f"{fingerprint.difference(checkpoint['fingerprint'])}")
+        await self.swarm.set_fingerprint(fingerprint)
+        log.info("run fingerprint %s (%s)", fingerprint.digest[:16],
+                 ", ".join(f"{k}={v}" for k, v in fingerprint.parts.items()))
         rounds = RoundProtocol(self.swarm, self.metrics)
         server = StateServer(self.swarm, self.metrics)
         self.loop_ = TrainingLoop(worker=self.worker, swarm=self.swarm, rounds=rounds, server=server,
@@ -209,6 +240,8 @@ class Node:
         started = time.monotonic()
         feedback = self.loop_.rounds.feedback
         state = {"run_id": self.config.node.run_id, "round_step": self.loop_.round_step,
+                 "fingerprint": self.swarm.fingerprint.parts if self.swarm.fingerprint else None,
+                 "model": self.worker.model_info(),
                  "worker": self.worker.state_dict(),
                  "feedback": feedback.state_dict() if feedback is not None else None}
         await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)

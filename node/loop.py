@@ -23,6 +23,10 @@ log = logging.getLogger("gonka.node")
 RETRY_SECONDS = 0.5
 
 
+class RunMismatch(Exception):
+    """Every peer this node could reach trains another run under its run id (exit code 2)."""
+
+
 class TrainingLoop:
     def __init__(self, *, worker: DiLoCoWorker, swarm: Swarm, rounds: RoundProtocol, server: StateServer,
                  metrics, status: Status, inner_steps: int, max_rounds: int, on_commit) -> None:
@@ -234,6 +238,11 @@ class TrainingLoop:
                 break
             await asyncio.sleep(0.2)
         else:
+            if self.swarm.strangers and not self.swarm.peers:
+                peer, difference = next(reversed(self.swarm.strangers.items()))
+                raise RunMismatch(
+                    f"swarm.bootstrap: the swarm of run {self.swarm.run_id!r} trains another run: {difference} "
+                    f"(peer {peer}); start with the same --model, --data, --seed and settings, or another --run-id")
             log.warning("no live peer announced itself yet; starting from this node's own state")
             return
         round, params_hash, _ = target

@@ -78,7 +78,7 @@ class RoundProtocol:
         self.use_feedback = cfg.error_feedback and self.codec.name != "fp32"
         self.feedback: ErrorFeedback | None = None
         self.request_timeout = cfg.request_timeout
-        self._names = {k: f"gonka.{swarm.run_id}.{k}" for k in ("begin", "part", "vote", "ready")}
+        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready")}
         self._waiting: _Waiting | None = None
         self._group: Group | None = None
         self._group_set = asyncio.Event()

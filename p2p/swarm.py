@@ -27,6 +27,7 @@ from hivemind.dht.routing import get_dht_time
 from hivemind.p2p import P2P, PeerID
 
 from p2p.config import SwarmConfig
+from trainer.fingerprint import Fingerprint, parse_parts
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class PeerRecord:
     loss: float | None
     maddrs: tuple[str, ...]
     round_tokens: int = 0  # tokens trained so far towards its next round
+    fingerprint: str = ""  # digest of what the peer trains (trainer/fingerprint.py)
+    fingerprint_parts: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +93,7 @@ def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
     state, rnd, phash = value.get("state"), value.get("round"), value.get("hash")
     step, loss, maddrs = value.get("step", 0), value.get("loss"), value.get("maddrs", [])
     rtok = value.get("rtok", 0)
+    fp, fpp = value.get("fp", ""), value.get("fpp")
     if state not in STATES:
         raise ValueError("bad_heartbeat_state")
     if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd < 2**53:
@@ -104,7 +108,13 @@ def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
         raise ValueError("bad_heartbeat_loss")
     if not isinstance(maddrs, list) or len(maddrs) > 32 or not all(isinstance(a, str) and len(a) < 512 for a in maddrs):
         raise ValueError("bad_heartbeat_maddrs")
-    return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs), rtok)
+    if not isinstance(fp, str) or len(fp) > 64:
+        raise ValueError("bad_heartbeat_fingerprint")
+    parts = parse_parts(fpp) if fpp is not None else None
+    if fpp is not None and parts is None:
+        raise ValueError("bad_heartbeat_fingerprint")
+    return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs), rtok,
+                      fp, parts)
 
 
 class Swarm:
@@ -130,11 +140,17 @@ class Swarm:
         # Peers met so far (bootstrap and table entries), for re-entering the DHT after a pause.
         self._known: dict[str, None] = {}
         self._reconnected_at = 0.0
+        # What this node trains; peers announcing another fingerprint are refused (``strangers``).
+        self.fingerprint: Fingerprint | None = None
+        self.strangers: dict[str, str] = {}  # peer id -> what differs, the most recent 64
 
     @classmethod
     async def start(
-        cls, config: SwarmConfig, run_id: str, *, identity_path: str | None, on_reject: Callable[[str], None]
+        cls, config: SwarmConfig, run_id: str, *, identity_path: str | None, on_reject: Callable[[str], None],
+        fingerprint: Fingerprint | None = None, announce: bool = True,
     ) -> "Swarm":
+        """Start p2pd and the DHT. With ``announce=False`` the node stays out of the peer table
+        until ``set_fingerprint`` (a node still loading its model knows no fingerprint yet)."""
         nat = config.nat_traversal
         with _children_die_with_us():
             p2p = await P2P.create(
@@ -171,9 +187,26 @@ class Swarm:
             if "/p2p/" in addr:
                 self._remember(addr.rsplit("/p2p/", 1)[-1])
         self.maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
+        self.fingerprint = fingerprint
+        if announce:
+            await self._start_heartbeats()
+        return self
+
+    async def set_fingerprint(self, fingerprint: Fingerprint) -> None:
+        """Say what this node trains and start announcing it."""
+        self.fingerprint = fingerprint
+        if self._heartbeat_task is None:
+            await self._start_heartbeats()
+
+    async def _start_heartbeats(self) -> None:
         await self._publish()  # be in the peer table before asking anyone for anything
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-        return self
+
+    @property
+    def scope(self) -> str:
+        """Names this run's protocols: the run id and the fingerprint, so a peer that trains
+        something else cannot even open a round or a state stream with this one."""
+        return f"{self.run_id}.{self.fingerprint.digest[:16]}" if self.fingerprint is not None else self.run_id
 
     @property
     def p2pd_pid(self) -> int | None:
@@ -189,6 +222,8 @@ class Swarm:
 
     async def _publish(self, ttl: float | None = None) -> None:
         value = dict(self._me, maddrs=self.maddrs)
+        if self.fingerprint is not None:
+            value.update(fp=self.fingerprint.digest, fpp=self.fingerprint.parts)
         ttl = ttl if ttl is not None else 3 * self.config.heartbeat_interval
         try:
             async with asyncio.timeout(self.config.request_timeout):
@@ -294,6 +329,8 @@ class Swarm:
             except ValueError as e:
                 self.reject(str(e))
                 continue
+            if self._refused(record):
+                continue
             if record.state != "stopped":
                 peers[record.peer_id] = record
                 self._remember(record.peer_id)
@@ -302,6 +339,25 @@ class Swarm:
         self._peers, self._peers_at = peers, time.monotonic()
         self.table_fresh = True
         return peers
+
+    def _refused(self, record: PeerRecord) -> bool:
+        """A peer of this run id that trains something else: never counted, waited for or followed."""
+        mine = self.fingerprint.digest if self.fingerprint is not None else ""
+        if record.fingerprint == mine:
+            return False
+        if record.state == "stopped":
+            return True
+        first = record.peer_id not in self.strangers
+        self.strangers.pop(record.peer_id, None)
+        self.strangers[record.peer_id] = (self.fingerprint.difference(record.fingerprint_parts)
+                                          if self.fingerprint is not None else "another run fingerprint")
+        while len(self.strangers) > 64:
+            del self.strangers[next(iter(self.strangers))]
+        if first:
+            self._on_reject("fingerprint_mismatch")
+            log.warning("refusing peer %s: it trains another run under run id %r: %s", record.peer_id, self.run_id,
+                        self.strangers[record.peer_id])
+        return True
 
     @property
     def peers(self) -> dict[str, PeerRecord]:

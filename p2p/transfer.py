@@ -87,7 +87,7 @@ class StateServer:
         self.swarm = swarm
         self.metrics = metrics
         self.snapshot: Snapshot | None = None
-        self.name = f"gonka.{swarm.run_id}.state"
+        self.name = f"gonka.{swarm.scope}.state"
 
     async def start(self) -> None:
         await self.swarm.p2p.add_binary_stream_handler(self.name, self._handle)

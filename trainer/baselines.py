@@ -14,6 +14,7 @@ import torch
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
 from trainer.diloco import DiLoCoWorker
+from trainer.model import lm_loss
 from trainer.schedule import inner_lr
 
 
@@ -47,7 +48,7 @@ class DataParallel:
             opt.zero_grad(set_to_none=True)
             for sampler in self.samplers:  # gradient of the mean loss = mean of the gradients
                 x, y = sampler.next_batch()
-                _, loss = model(x, y)
+                loss = lm_loss(model, x, y)
                 (loss / len(self.samplers)).backward()
                 total += loss.item() / len(self.samplers)
             if self.inner.grad_clip > 0:

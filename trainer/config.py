@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MODEL_PRESETS = ("tiny", "small", "base")
+MODEL_INITS = ("auto", "pretrained", "random")
+PRECISIONS = ("auto", "bf16", "fp32")
 OVERLAP_MODES = ("off", "delayed", "eager")
 
 
@@ -22,25 +24,43 @@ def require(ok: bool, key: str, message: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    # Built-in GPT-style decoder preset: tiny (~1M params, CPU tests and demo),
-    # small (~25M), base (~125M). Vocabulary is bytes (256 tokens).
-    preset: str = "tiny"
-    # Dropout inside the transformer; 0 keeps inner steps deterministic.
-    dropout: float = 0.0
+    # Where the model comes from: a built-in preset (tiny ~0.8M params for CPU tests
+    # and the demo, small ~25M, base ~128M: small Llama configs over a byte vocabulary),
+    # or hf:PATH, a local Hugging Face directory whose config.json names any causal-LM
+    # architecture transformers knows. Never fetched from a hub.
+    source: str = "tiny"
+    # Initial parameters: pretrained (the safetensors weights in PATH, hf: only),
+    # random (from the config, drawn from node.seed, bit-identical on every peer),
+    # or auto (pretrained for hf:PATH, random for presets).
+    init: str = "auto"
+    # Recompute each decoder layer's activations in the backward pass instead of
+    # keeping them: less accelerator memory for about a third more compute.
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        require(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {', '.join(MODEL_PRESETS)} (got {self.preset!r})")
-        require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1) (got {self.dropout})")
+        require(isinstance(self.source, str) and (self.source in MODEL_PRESETS or
+                (self.source.startswith("hf:") and len(self.source) > 3)), "model.source",
+                f"must be a preset ({', '.join(MODEL_PRESETS)}) or hf:PATH to a local model directory (got {self.source!r})")
+        require(self.init in MODEL_INITS, "model.init", f"must be one of {', '.join(MODEL_INITS)} (got {self.init!r})")
+        require(not (self.init == "pretrained" and self.source in MODEL_PRESETS), "model.init",
+                f"pretrained needs hf:PATH; the preset {self.source!r} has no weights (use random or auto)")
+
+    @property
+    def hf_path(self) -> str | None:
+        """The local model directory of an hf: source, else None."""
+        return self.source[3:] if self.source.startswith("hf:") else None
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    # Text files or directories of text files, read as bytes. Empty: the
-    # built-in corpus, the Python standard library's source files on this machine.
+    # Training data: one directory written by `gonka-node prepare-data` (token shards and
+    # their manifest.json; the way to train an hf: model), or text files and directories
+    # of text files read as bytes (the byte-level presets; at most the first 64 MiB).
+    # Empty: the built-in byte corpus, the Python standard library's sources on this machine.
     paths: list[str] = field(default_factory=list)
     # Sequences per inner step on this peer (its tokens per step = batch_size * seq_len).
     batch_size: int = 8
-    # Tokens (bytes) per training sequence; 0 = the model preset's context length.
+    # Tokens per training sequence; 0 = the model's context length (max_position_embeddings).
     seq_len: int = 0
     # Fraction of the corpus held out for evaluation, the same on every peer.
     eval_fraction: float = 0.02
@@ -84,6 +104,9 @@ class InnerConfig:
     beta2: float = 0.95
     # Global gradient-norm clip; 0 disables clipping.
     grad_clip: float = 1.0
+    # Arithmetic of the inner steps: bf16 (autocast; the parameters and AdamW state stay
+    # fp32), fp32 (TF32 matmuls on CUDA), or auto (bf16 on CUDA, fp32 on CPU).
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "inner.steps", f"must be >= 1 (got {self.steps})")
@@ -97,6 +120,7 @@ class InnerConfig:
         require(0.0 <= self.beta1 < 1.0, "inner.beta1", f"must be in [0, 1) (got {self.beta1})")
         require(0.0 <= self.beta2 < 1.0, "inner.beta2", f"must be in [0, 1) (got {self.beta2})")
         require(self.grad_clip >= 0, "inner.grad_clip", f"must be >= 0 (got {self.grad_clip})")
+        require(self.precision in PRECISIONS, "inner.precision", f"must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
 
 
 @dataclass(kw_only=True, slots=True)

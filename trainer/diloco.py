@@ -20,7 +20,8 @@ import torch
 from trainer.averaging import Averager
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
-from trainer.model import build_model, context_length
+from trainer.fingerprint import Fingerprint, run_fingerprint
+from trainer.model import LoadedModel, load_model, lm_loss
 from trainer.outer import OuterOptimizer
 from trainer.schedule import inner_lr
 
@@ -51,6 +52,19 @@ def _check_tensors(tensors, like: list[torch.Tensor], key: str) -> None:
             raise ValueError(f"{key}: tensor {i} must be {ref.dtype} of shape {tuple(ref.shape)}")
 
 
+def _check_vocab(corpus, loaded: LoadedModel) -> None:
+    """The data's tokens must be ids the model has: bytes for the presets, the tokenizer's for shards."""
+    vocab = getattr(corpus, "vocab_size", None)
+    if vocab is None:  # text read as bytes
+        if not loaded.byte_level:
+            raise ValueError(f"data.paths: text files are read as bytes, which only the built-in presets train on; "
+                             f"tokenize them for {loaded.source} with `gonka-node prepare-data --tokenizer DIR`")
+        return
+    if vocab > loaded.vocab_size:
+        raise ValueError(f"data.paths: {getattr(corpus, 'path', '?')}: its tokenizer has {vocab} tokens, more than "
+                         f"the vocab_size {loaded.vocab_size} of {loaded.source}")
+
+
 class DiLoCoWorker:
     """Global state θ and momentum, plus this peer's local model, AdamW and data stream."""
 
@@ -61,21 +75,31 @@ class DiLoCoWorker:
         data: DataConfig,
         inner: InnerConfig,
         outer: OuterConfig,
-        corpus: torch.Tensor,
+        corpus,
         shard_key: str,
         seed: int,
         device: str = "cpu",
+        loaded: LoadedModel | None = None,
     ) -> None:
         self.model_cfg, self.data_cfg, self.inner_cfg = model, data, inner
         self.device = torch.device(device)
-        self.seq_len = data.seq_len or context_length(model.preset)
-        if self.seq_len > context_length(model.preset):
-            raise ValueError(f"data.seq_len: {self.seq_len} exceeds the {model.preset} context of {context_length(model.preset)}")
-        # Same seed on every peer: the swarm starts from one θ with no download.
-        self.model = build_model(model, seed).to(self.device)
+        # Same seed (or the same pretrained weights) on every peer: the swarm starts from one θ
+        # with no download. ``loaded`` lets a caller that already built the model hand it over.
+        self.loaded = loaded if loaded is not None else load_model(model, seed)
+        self.seq_len = data.seq_len or self.loaded.context
+        if self.seq_len > self.loaded.context:
+            raise ValueError(f"data.seq_len: {self.seq_len} exceeds the context of {model.source} "
+                             f"({self.loaded.context} positions)")
+        _check_vocab(corpus, self.loaded)
+        self.model = self.loaded.module.to(self.device)
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model.parameters()]
-        # Matrices get weight decay; biases and LayerNorm gains do not (GPT-2 practice).
+        self.precision = inner.precision if inner.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        if self.device.type == "cuda" and self.precision == "fp32":
+            torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: fp32 range, tensor-core speed
+            torch.backends.cudnn.allow_tf32 = True
+        # Matrices get weight decay; biases and norm gains do not (GPT-2 practice).
         params = list(self.model.parameters())
+        on_cuda = self.device.type == "cuda"
         self.inner_opt = torch.optim.AdamW(
             [
                 {"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
@@ -83,8 +107,9 @@ class DiLoCoWorker:
             ],
             lr=inner.lr,
             betas=(inner.beta1, inner.beta2),
-            # The per-tensor loop on CPU (where foreach buys nothing); batched kernels on GPUs.
-            foreach=self.device.type == "cuda",
+            # One fused kernel per step on GPUs; the per-tensor loop on CPU (where foreach buys nothing).
+            fused=True if on_cuda else None,
+            foreach=False if not on_cuda else None,
         )
         self.outer_cfg = outer
         self.outer_opt = OuterOptimizer(self.global_params, outer)
@@ -110,6 +135,17 @@ class DiLoCoWorker:
         self._eval_batches = None
         self.round = 0
         self.inner_step = 0
+        self._corpus = corpus
+        # θ before any step or download: part of the run's fingerprint.
+        self.init_hash = self.params_hash()
+
+    def fingerprint(self, codec: str) -> Fingerprint:
+        """What every peer of this run must share (trainer/fingerprint.py)."""
+        return run_fingerprint(
+            model_config=self.loaded.config, init_hash=self.init_hash,
+            tokenizer=getattr(self._corpus, "tokenizer_sha256", None) or "bytes",
+            data=self.sampler.split_digest(), seq_len=self.seq_len, codec=codec,
+            outer_lr=self.outer_cfg.lr, outer_momentum=self.outer_cfg.momentum, nesterov=self.outer_cfg.nesterov)
 
     # -- inner loop -------------------------------------------------------
 
@@ -117,7 +153,9 @@ class DiLoCoWorker:
         """Up to ``n`` AdamW steps on this worker's shard; blocking."""
         start = time.perf_counter()
         self.model.train()
-        losses = []
+        # Losses add up on the device and are read once: no host sync per step.
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        steps = 0
         for _ in range(n):
             if should_stop is not None and should_stop():
                 break
@@ -131,21 +169,29 @@ class DiLoCoWorker:
             lr = inner_lr(self.inner_step, self.inner_cfg)
             for group in self.inner_opt.param_groups:
                 group["lr"] = lr
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+            loss = self._loss(x, y)
             self.inner_opt.zero_grad(set_to_none=True)
             loss.backward()
             if self.inner_cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner_cfg.grad_clip)
             self.inner_opt.step()
             self.inner_step += 1
-            losses.append(loss.item())
-        steps = len(losses)
+            loss_sum += loss.detach().float()
+            steps += 1
         return InnerStats(
             steps=steps,
             tokens=steps * self.data_cfg.batch_size * self.seq_len,
-            mean_loss=sum(losses) / steps if steps else float("nan"),
+            mean_loss=loss_sum.item() / steps if steps else float("nan"),
             seconds=time.perf_counter() - start,
         )
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        if self.precision == "bf16":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return lm_loss(self.model, x, y)
+        return lm_loss(self.model, x, y)
 
     # -- outer step -------------------------------------------------------
 
@@ -291,17 +337,23 @@ class DiLoCoWorker:
             p.copy_(g)
         self.model.eval()
         try:
-            losses = [self.model(x.to(self.device), y.to(self.device))[1].item() for x, y in self._eval_batches]
+            total = sum(self._loss(x, y).float() for x, y in self._eval_batches)
         finally:
             for p, s in zip(params, saved):
                 p.copy_(s)
             self.model.train(was_training)
-        return sum(losses) / len(losses)
+        return total.item() / len(self._eval_batches)
 
     # -- checkpoint -----------------------------------------------------------
 
     def _config_echo(self) -> dict:
-        return {"preset": self.model_cfg.preset, "seq_len": self.seq_len, "batch_size": self.data_cfg.batch_size}
+        return {"source": self.model_cfg.source, "seq_len": self.seq_len, "batch_size": self.data_cfg.batch_size}
+
+    def model_info(self) -> dict:
+        """What `gonka-node export` needs besides θ: the config, the parameter names, the tokenizer."""
+        m = self.loaded
+        return {"source": m.source, "config": m.config, "param_names": list(m.param_names),
+                "tokenizer_dir": m.tokenizer_dir}
 
     def state_dict(self) -> dict:
         """Everything needed to resume this worker exactly (loadable with weights_only=True)."""

@@ -1,13 +1,26 @@
-"""The built-in language model: a small GPT-style decoder over bytes.
+"""Where the model comes from: a built-in preset or a local Hugging Face directory.
 
-Every peer builds the same model from the same seed, so the swarm starts from
-one bit-identical set of parameters without downloading anything. Presets
-cover CPU tests (tiny), a single GPU (small) and a real run (base).
+Both are Hugging Face causal LMs, so one code path serves the demo, the tests and
+real runs: the presets are small Llama configs over a byte vocabulary (a token
+is a byte, no tokenizer file needed), ``hf:PATH`` is any causal-LM architecture
+transformers knows, read from ``PATH/config.json`` and never from a hub.
+
+Initial parameters must be bit-identical on every peer, whatever its device or
+CPU: a random init is built on the CPU with transformers' own init scheme for
+the architecture, but its normal draws come from a generator seeded by the run
+seed through ``seeded_normal_`` (torch's float32 ``normal_`` gives other bits
+under AVX2 than without), in the model's own traversal order. Pretrained
+weights are loaded from safetensors only and must cover the config exactly.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -15,157 +28,203 @@ import torch.nn.functional as F
 
 from trainer.config import ModelConfig
 
-# Byte-level tokenizer: a token is a byte value, so no vocabulary file is needed.
-VOCAB_SIZE = 256
+log = logging.getLogger(__name__)
 
-# Parameter counts (tied embeddings): tiny ~0.84M, small ~25.5M, base ~128M.
+# Byte-level presets: a token is a byte value.
+BYTE_VOCAB = 256
+
+# Parameter counts (tied embeddings): tiny ~0.82M, small ~25M, base ~128M.
 PRESETS: dict[str, dict] = {
-    "tiny": {"n_layer": 4, "n_head": 4, "d_model": 128, "context": 128},
-    "small": {"n_layer": 8, "n_head": 8, "d_model": 512, "context": 256},
-    "base": {"n_layer": 18, "n_head": 12, "d_model": 768, "context": 512},
+    "tiny": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "max_position_embeddings": 128},
+    "small": {"hidden_size": 512, "intermediate_size": 1368, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "max_position_embeddings": 256},
+    "base": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 12,
+             "max_position_embeddings": 512},
 }
 
 
-def context_length(preset: str) -> int:
-    """Longest sequence the preset's position embedding covers."""
-    if preset not in PRESETS:
-        raise ValueError(f"model.preset: unknown preset {preset!r}")
-    return PRESETS[preset]["context"]
+@dataclass(slots=True)
+class LoadedModel:
+    """A causal LM on the CPU in fp32 and what the rest of the trainer needs to know about it."""
+
+    module: nn.Module
+    source: str
+    # The Hugging Face config as a plain dict (config.to_dict()): what export writes back.
+    config: dict
+    vocab_size: int
+    # Longest sequence the model is configured for (max_position_embeddings).
+    context: int
+    # Names of module.parameters() in order (tied weights once, as named_parameters yields them).
+    param_names: list[str]
+    # The directory holding the run's tokenizer files, if the source has one.
+    tokenizer_dir: str | None
+    # True for the presets, whose tokens are bytes.
+    byte_level: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def preset_config(name: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=BYTE_VOCAB, num_key_value_heads=PRESETS[name]["num_attention_heads"],
+                       tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None, **PRESETS[name])
+
+
+def _fail(path: str, what: str) -> ValueError:
+    return ValueError(f"model.source: {path}: {what}")
+
+
+def _one_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def read_hf_config(path: str):
+    """The config of a local model directory; one-line ValueError naming what is wrong."""
+    if not os.path.isdir(path):
+        raise _fail(path, "not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise _fail(path, "no config.json (a Hugging Face model directory holds config.json and *.safetensors)")
+    from transformers import AutoConfig, MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            json.load(f)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        raise _fail(os.path.join(path, "config.json"), f"not a usable model config: {_one_line(e)}") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise _fail(os.path.join(path, "config.json"),
+                    f"model_type {getattr(config, 'model_type', '?')!r} is not a causal language model transformers knows")
+    return config
+
+
+def _weight_files(path: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+@contextlib.contextmanager
+def _seeded_init(draw_from: torch.Generator, seed: int):
+    """transformers' init functions, with normal draws from ``draw_from`` (capability-independent)
+    and every other draw from the global RNG seeded by ``seed`` (restored afterwards)."""
+    import transformers.initialization as init
+
+    from trainer.determinism import seeded_normal_
+
+    original = init.normal_
+
+    def normal_(tensor, mean=0.0, std=1.0, generator=None):
+        if getattr(tensor, "_is_hf_initialized", False):
+            return tensor
+        with torch.no_grad():
+            return seeded_normal_(tensor, std, draw_from, mean=mean)
+
+    init.normal_ = normal_
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
+    finally:
+        init.normal_ = original
+
+
+def _random_model(config, seed: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    # Allocate without initialising (buffers such as rotary frequencies are still
+    # computed by the modules), then initialise once, deterministically.
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))  # whatever the init scheme misses must show, not be garbage memory
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    with _seeded_init(generator, seed):
+        model.initialize_weights()
+    model.tie_weights()
+    missed = [name for name, p in model.named_parameters() if torch.isnan(p).any()]
+    if missed:
+        raise ValueError(f"model.init: random init of {type(model).__name__} leaves {len(missed)} parameters "
+                         f"uninitialised ({', '.join(missed[:3])}); use model.init = pretrained")
+    return model
+
+
+def _pretrained_model(path: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if not _weight_files(path):
+        raise _fail(path, "no *.safetensors weights (model.init = pretrained; use random to start from the config)")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, use_safetensors=True, dtype=torch.float32, attn_implementation="sdpa",
+            output_loading_info=True, trust_remote_code=False)
+    except Exception as e:
+        raise _fail(path, f"weights do not load: {_one_line(e)}") from None
+    problems = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"), ("mismatched_keys", "wrong shape"),
+                      ("error_msgs", "error")):
+        found = sorted(str(k) for k in info.get(key) or ())
+        if found:
+            problems.append(f"{len(found)} {what} ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})")
+    if problems:
+        raise _fail(path, "weights do not match config.json: " + "; ".join(problems))
+    return model
+
+
+def check_source(cfg: ModelConfig) -> None:
+    """The cheap checks of an hf: source (config, weights present), to fail before anything starts."""
+    path = cfg.hf_path
+    if path is None:
+        return
+    read_hf_config(path)
+    if cfg.init in ("auto", "pretrained") and not _weight_files(path):
+        raise _fail(path, "no *.safetensors weights (model.init = pretrained; use random to start from the config)")
+
+
+def load_model(cfg: ModelConfig, seed: int) -> LoadedModel:
+    """The configured model on the CPU in fp32, in train mode."""
+    path = cfg.hf_path
+    if path is None:
+        config, tokenizer_dir = preset_config(cfg.source), None
+        module = _random_model(config, seed)
+    else:
+        path = os.path.abspath(path)
+        config = read_hf_config(path)
+        tokenizer_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+        module = _pretrained_model(path) if cfg.init in ("auto", "pretrained") else _random_model(config, seed)
+    module.train()
+    if cfg.activation_checkpointing:
+        if not getattr(module, "supports_gradient_checkpointing", False):
+            raise ValueError(f"model.activation_checkpointing: {type(module).__name__} does not support it")
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not isinstance(context, int) or context < 2:
+        raise _fail(path or cfg.source, "config.json has no usable max_position_embeddings")
+    vocab = module.get_input_embeddings().weight.shape[0]
+    return LoadedModel(module=module, source=cfg.source, config=config.to_dict(), vocab_size=vocab, context=context,
+                       param_names=[name for name, _ in module.named_parameters()], tokenizer_dir=tokenizer_dir,
+                       byte_level=path is None)
+
+
+def lm_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``y`` is ``x`` shifted by one already (the sampler's windows)."""
+    logits = module(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
 
 def encode(text: str) -> list[int]:
-    """Text to tokens: its UTF-8 bytes."""
+    """Byte-level presets: text to tokens, its UTF-8 bytes."""
     return list(text.encode("utf-8"))
 
 
 def decode(tokens) -> str:
-    """Tokens to text; a sampled model may emit invalid UTF-8, hence 'replace'."""
+    """Byte-level presets: tokens to text; a sampled model may emit invalid UTF-8, hence 'replace'."""
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
-        super().__init__()
-        assert d_model % n_head == 0, "d_model must split evenly across heads"
-        self.n_head = n_head
-        self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.resid_drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
-        return self.resid_drop(self.proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, d_model: int, dropout: float) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.proj = nn.Linear(4 * d_model, d_model)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = SelfAttention(d_model, n_head, dropout)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """Decoder-only transformer with learned positions and tied input/output embeddings."""
-
-    def __init__(
-        self,
-        *,
-        n_layer: int,
-        n_head: int,
-        d_model: int,
-        context: int,
-        vocab_size: int = VOCAB_SIZE,
-        dropout: float = 0.0,
-    ) -> None:
-        super().__init__()
-        self.n_layer = n_layer
-        self.context = context
-        self.wte = nn.Embedding(vocab_size, d_model)
-        self.wpe = nn.Embedding(context, d_model)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        # Sharing the embedding with the output layer saves vocab*d parameters
-        # and is what GPT-2 does.
-        self.lm_head.weight = self.wte.weight
-
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _, t = idx.shape
-        if t > self.context:
-            raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
-
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
-        """GPT-2 initialisation drawn from ``generator`` only (never the global RNG)."""
-        # Residual projections are scaled down so the residual stream's variance
-        # does not grow with depth (GPT-2, section 2.3).
-        resid_std = 0.02 / math.sqrt(2 * self.n_layer)
-        for name, module in self.named_modules():
-            if module is self.lm_head:
-                continue  # tied to wte, initialised there
-            if isinstance(module, nn.Linear):
-                std = resid_std if name.endswith(".proj") else 0.02
-                module.weight.normal_(0.0, std, generator=generator)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, 0.02, generator=generator)
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-
-
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """The preset's model on CPU, initialised deterministically from ``seed``."""
-    spec = PRESETS[cfg.preset]
-    # Build on the meta device and fill every tensor ourselves: no time spent on
-    # torch's default init and no draw from the process-wide RNG.
-    with torch.device("meta"):
-        model = GPT(**spec, dropout=cfg.dropout)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed)
-    model.init_weights(generator)
-    return model

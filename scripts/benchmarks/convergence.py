@@ -89,7 +89,7 @@ def _configs(args):
     data = DataConfig(batch_size=args.batch_size, seq_len=args.seq_len)
     warmup = args.warmup_steps if args.warmup_steps >= 0 else min(100, steps // 10)
     inner = InnerConfig(steps=args.inner_steps, lr=args.inner_lr, warmup_steps=warmup, total_steps=steps)
-    return ModelConfig(preset="tiny"), data, inner
+    return ModelConfig(source="tiny"), data, inner
 
 
 def _defaults(args) -> None:

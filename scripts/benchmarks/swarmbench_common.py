@@ -86,10 +86,12 @@ def state_numel(preset: str) -> int:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from trainer.model import GPT, PRESETS
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model import preset_config
 
     with torch.device("meta"):
-        model = GPT(**PRESETS[preset], dropout=0.0)
+        model = AutoModelForCausalLM.from_config(preset_config(preset))
     return sum(p.numel() for p in model.parameters())
 
 

@@ -20,7 +20,7 @@ def corpus():
 
 def make_worker(corpus, *, batch_size=4):
     return DiLoCoWorker(
-        model=ModelConfig(preset="tiny"),
+        model=ModelConfig(source="tiny"),
         data=DataConfig(batch_size=batch_size, seq_len=64, eval_batches=2),
         inner=InnerConfig(lr=1e-3, warmup_steps=2, total_steps=30),
         outer=OuterConfig(),

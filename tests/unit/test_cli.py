@@ -36,7 +36,10 @@ def assert_usage_error(result: subprocess.CompletedProcess, *names: str) -> None
     [
         (["start", "--inner-steps", "0"], {}, ["inner.steps", "--inner-steps"]),
         (["start", "--inner-steps", "x"], {}, ["--inner-steps"]),
-        (["start", "--model", "huge"], {}, ["model.preset", "huge"]),
+        (["start", "--model", "huge"], {}, ["model.source", "huge"]),
+        (["start", "--device", "cuda:x"], {}, ["node.device", "cuda:x"]),
+        (["start", "--set", "model.init=copied"], {}, ["model.init", "copied"]),
+        (["start", "--set", "inner.precision=fp8"], {}, ["inner.precision", "fp8"]),
         (["start", "--bogus-flag"], {}, ["--bogus-flag"]),
         (["start", "--config", "missing.toml"], {}, ["missing.toml"]),
         (["start"], {"GONKA_INNER_STEPS": "abc"}, ["inner.steps", "GONKA_INNER_STEPS"]),

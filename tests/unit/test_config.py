@@ -63,7 +63,7 @@ nesterov = false
     everything = load_config(toml_path=path, environ=environ, overrides=overrides)
     assert (everything.node.run_id, everything.inner.steps, everything.swarm.min_peers) == ("from-env", 30, 4)
     assert everything.data.paths == ["a.txt"]
-    assert everything.model.preset == "tiny"  # default everywhere
+    assert everything.model.source == "tiny"  # default everywhere
 
 
 def test_env_text_conversion():
@@ -95,7 +95,10 @@ def test_env_text_conversion():
         ({}, {"swarm.listen": ["notamultiaddr"]}, None, "swarm.listen: not a multiaddr: 'notamultiaddr'"),
         ({}, {"node.metrics_addr": "nope"}, None, "node.metrics_addr: expected HOST:PORT"),
         ({}, {"node.metrics_addr": "127.0.0.1:70000"}, None, "node.metrics_addr: expected HOST:PORT"),
-        ({}, {"model.preset": "huge"}, None, "model.preset: must be one of tiny, small, base (got 'huge')"),
+        ({}, {"model.source": "huge"}, None, "model.source: must be a preset (tiny, small, base) or hf:PATH"),
+        ({}, {"model.source": "hf:"}, None, "model.source: must be a preset"),
+        ({}, {"model.init": "pretrained"}, None, "model.init: pretrained needs hf:PATH"),
+        ({}, {"node.device": "cuda:1x"}, None, "node.device: must be one of cpu, cuda, auto or cuda:N"),
         ({}, {"node.run_id": "a/b"}, None, "node.run_id: must be 1-64 characters"),
         ({}, {"node.device": "tpu"}, None, "node.device: must be one of cpu, cuda, auto"),
         ({}, {"node.log_level": "loud"}, None, "node.log_level: must be one of"),

@@ -19,7 +19,7 @@ def corpus():
 def make_sim(corpus, fail=frozenset(), overlap="off", land_after=1.0):
     return Simulator(
         4,
-        model=ModelConfig(preset="tiny"),
+        model=ModelConfig(source="tiny"),
         data=DataConfig(batch_size=4, seq_len=64, eval_batches=2),
         inner=InnerConfig(lr=3e-3, warmup_steps=2, total_steps=0),
         outer=OuterConfig(lr=0.7, momentum=0.9, overlap=overlap),

@@ -1,0 +1,144 @@
+"""Benchmark ``overhead``: inner-step throughput of a gonka-node process vs a bare PyTorch loop.
+
+Both train the same Hugging Face model (a small Qwen2 config, random weights
+saved as safetensors) on the same prepared token shards, with the same batch,
+sequence length, precision, AdamW settings and gradient clipping, on this CPU
+with the same number of torch threads. The node is a real `gonka-node start`
+(one peer, no bootstrap: its rounds commit alone), timed from its own
+``trained round=... steps=... seconds=...`` log lines; the bare loop is a child
+process that loads the model with ``from_pretrained``, draws random windows
+from the same memory-mapped shard and times the same number of steps.
+
+The two run alternately, pair by pair, so both see the same machine; the
+first round (or chunk) of each is a warm-up and is left out. ``ratio`` is
+node tokens/s over bare tokens/s of one pair; the goal (issue 13) is a median
+of at least 0.98.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .options import positive_int
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_BIN = Path(sys.executable).with_name("gonka-node")
+TRAINED = re.compile(r"trained round=(\d+) steps=(\d+) seconds=([0-9.]+)")
+COLUMNS = ["pair", "node_tokens_per_s", "bare_tokens_per_s", "ratio"]
+
+BARE_LOOP = r"""
+import sys, time, numpy as np, torch, torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+from trainer.tokens import open_token_dataset
+model_dir, data_dir, batch, seq, steps, chunks, threads, lr = sys.argv[1:9]
+batch, seq, steps, chunks, threads, lr = int(batch), int(seq), int(steps), int(chunks), int(threads), float(lr)
+torch.set_num_threads(threads)
+model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
+                                             attn_implementation="sdpa")
+model.train()
+params = list(model.parameters())
+opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                        lr=lr, betas=(0.9, 0.95), foreach=False)
+tokens = open_token_dataset(data_dir, verify=False).shards[0]
+rng = np.random.default_rng(0)
+for chunk in range(chunks):
+    start = time.perf_counter()
+    total = torch.zeros(())
+    for _ in range(steps):
+        offsets = rng.integers(0, len(tokens) - seq - 1, batch)
+        rows = torch.from_numpy(np.stack([tokens[o:o + seq + 1].astype(np.int64) for o in offsets]))
+        x, y = rows[:, :-1], rows[:, 1:]
+        logits = model(input_ids=x, use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        total += loss.detach()
+    print(f"chunk={chunk} steps={steps} seconds={time.perf_counter() - start:.4f} loss={total.item() / steps:.4f}",
+          flush=True)
+"""
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--pairs", type=positive_int, help="node/bare pairs, median reported (default 3; 1 with --quick)")
+    group.add_argument("--steps", type=positive_int, help="inner steps per round / chunk (default 20; 5 with --quick)")
+    group.add_argument("--rounds", type=positive_int, help="rounds per node run, the first a warm-up (default 4; 2 with --quick)")
+    group.add_argument("--threads", type=positive_int, default=1, help="torch threads of both (default 1)")
+    group.add_argument("--batch", type=positive_int, default=8, help="sequences per step (default 8)")
+    group.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence (default 128)")
+
+
+def prepare(work: Path) -> tuple[Path, Path]:
+    """A tokenizer trained on standard-library sources, a Qwen2 model directory, and token shards."""
+    sys.path.insert(0, str(ROOT))
+    from tests.hf_fixtures import build_tokenizer
+    from tests.hf_models import build_model_dir
+    from trainer.data import default_corpus_paths
+
+    sources = default_corpus_paths()[:400]
+    texts = [Path(p).read_text(errors="replace") for p in sources]
+    text_dir = work / "text"
+    text_dir.mkdir()
+    for i, text in enumerate(texts):
+        (text_dir / f"{i:04d}.py").write_text(text)
+    tokenizer = build_tokenizer(str(work / "tokenizer"), texts[:100], vocab_size=2048)
+    model = Path(build_model_dir(work / "model", "qwen2", tokenizer_dir=tokenizer, vocab_size=2048, hidden_size=256,
+                                 intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=4, max_position_embeddings=256))
+    data = work / "data"
+    subprocess.run([str(NODE_BIN), "prepare-data", "--tokenizer", str(model), "--out", str(data), str(text_dir)],
+                   check=True, capture_output=True, timeout=600)
+    return model, data
+
+
+def node_rate(work: Path, model: Path, data: Path, args, steps: int, rounds: int, tag: str) -> float:
+    ckpt = work / f"node-{tag}"
+    cmd = [str(NODE_BIN), "start", "--run-id", f"overhead-{tag}", "--model", f"hf:{model}", "--data", str(data),
+           "--inner-steps", str(steps), "--max-rounds", str(rounds), "--threads", str(args.threads),
+           "--metrics-addr", "off", "--control", "off", "--set", f"data.batch_size={args.batch}",
+           "--set", f"data.seq_len={args.seq}", "--set", "data.eval_every=0", "--set", "inner.warmup_steps=0",
+           "--set", "inner.precision=fp32", "--checkpoint-dir", str(ckpt)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"gonka-node failed ({out.returncode}): {out.stderr[-2000:]}")
+    found = [(int(r), int(s), float(sec)) for r, s, sec in TRAINED.findall(out.stderr)]
+    timed = [s * args.batch * args.seq / sec for r, s, sec in found if r > 1]
+    return statistics.median(timed)
+
+
+def bare_rate(model: Path, data: Path, args, steps: int, chunks: int) -> float:
+    out = subprocess.run([sys.executable, "-c", BARE_LOOP, str(model), str(data), str(args.batch), str(args.seq),
+                          str(steps), str(chunks), str(args.threads), "1e-3"],
+                         capture_output=True, text=True, timeout=1800, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode != 0:
+        raise RuntimeError(f"bare loop failed: {out.stderr[-2000:]}")
+    found = [(int(c), int(s), float(sec)) for c, s, sec in re.findall(r"chunk=(\d+) steps=(\d+) seconds=([0-9.]+)", out.stdout)]
+    return statistics.median(s * args.batch * args.seq / sec for c, s, sec in found if c > 0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    pairs = args.pairs or (1 if args.quick else 3)
+    steps = args.steps or (5 if args.quick else 20)
+    rounds = args.rounds or (2 if args.quick else 4)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gonka-overhead-") as tmp:
+        work = Path(tmp)
+        model, data = prepare(work)
+        for pair in range(pairs):
+            node = node_rate(work, model, data, args, steps, rounds, str(pair))
+            bare = bare_rate(model, data, args, steps, rounds)
+            rows.append({"pair": pair, "node_tokens_per_s": round(node, 1), "bare_tokens_per_s": round(bare, 1),
+                         "ratio": round(node / bare, 4)})
+    median = statistics.median(r["ratio"] for r in rows)
+    return {"rows": rows, "columns": COLUMNS, "median_ratio": median, "goal": 0.98,
+            "settings": {"steps": steps, "rounds": rounds, "threads": args.threads, "batch": args.batch, "seq": args.seq},
+            "notes": [f"median node/bare throughput ratio {median:.3f} (goal >= 0.98)"]}
