@@ -16,6 +16,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from node import export_cmd, prepare_cmd
 from node.config import ConfigError, default_control_path, load_config, to_toml
 
 PROG = "gonka-node"
@@ -47,15 +48,15 @@ START_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--listen", "swarm.listen", dict(metavar="MULTIADDR", action="append", help="multiaddr to listen on; repeat for several (default: /ip4/127.0.0.1/tcp/0, loopback only; use e.g. /ip4/0.0.0.0/tcp/31337 on a real host)")),
     ("--announce", "swarm.announce", dict(metavar="MULTIADDR", action="append", help="multiaddr other peers should dial, with an explicit port, e.g. your public address; repeat for several (default: the listen addresses as bound)")),
     ("--identity", "node.identity", dict(metavar="PATH", help="libp2p private key file, created on first start and never overwritten, so the peer id survives restarts (default: a new ephemeral identity each start)")),
-    ("--data", "data.paths", dict(metavar="PATH", action="append", help="text file or directory of text files to train on, read as bytes; repeat for several (default: the built-in corpus)")),
-    ("--model", "model.preset", dict(metavar="PRESET", help="model preset: tiny, small or base (default: tiny)")),
+    ("--data", "data.paths", dict(metavar="PATH", action="append", help="a directory written by `gonka-node prepare-data` (token shards), or text files and directories read as bytes for the byte-level presets; repeat for several text paths (default: the built-in byte corpus)")),
+    ("--model", "model.source", dict(metavar="PRESET|hf:PATH", help="a built-in preset (tiny, small, base), or hf:PATH, a local Hugging Face model directory (config.json, *.safetensors, tokenizer); see model.init (default: tiny)")),
     ("--inner-steps", "inner.steps", dict(metavar="H", type=int, help="local optimizer steps between two outer synchronisations (default: 50)")),
     ("--max-rounds", "node.max_rounds", dict(metavar="N", type=int, help="stop after N committed outer rounds; 0 = train until stopped (default: 0)")),
     ("--checkpoint-dir", "node.checkpoint_dir", dict(metavar="DIR", help="directory for checkpoints; a restart resumes from the latest (default: no checkpoints)")),
     ("--metrics-addr", "node.metrics_addr", dict(metavar="HOST:PORT|off", help="serve Prometheus metrics at http://HOST:PORT/metrics, or 'off' (default: 127.0.0.1:9400)")),
     ("--control", "node.control", dict(metavar="PATH|off", help="unix socket for `gonka-node status` and `peers`, or 'off' (default: $XDG_RUNTIME_DIR/gonka-node/RUN_ID.sock, else /tmp/gonka-node-UID/RUN_ID.sock)")),
     ("--status-file", "node.status_file", dict(metavar="PATH", help="file rewritten with the node's status as JSON (default: none)")),
-    ("--device", "node.device", dict(metavar="cpu|cuda|auto", help="where the model trains; auto = cuda when available (default: auto)")),
+    ("--device", "node.device", dict(metavar="cpu|cuda|cuda:N|auto", help="where the model trains; auto = cuda when available (default: auto)")),
     ("--seed", "node.seed", dict(metavar="N", type=int, help="seed of model initialisation and data order (default: 0)")),
     ("--overlap", "outer.overlap", dict(metavar="MODE", help="off, delayed or eager: run a round's all-reduce during the next round's inner steps (default: off)")),
     ("--min-peers", "swarm.min_peers", dict(metavar="N", type=int, help="a round commits only with at least N members, this peer included (default: 1)")),
@@ -109,6 +110,8 @@ def build_parser() -> ArgumentParser:
     identity.add_argument("--identity", metavar="PATH", help="key file (default: generate an ephemeral key and print its peer id)")
 
     commands.add_parser("version", help="print the version", description="Print the version of gonka-node.")
+    prepare_cmd.add_parser(commands)
+    export_cmd.add_parser(commands)
     return parser
 
 
@@ -269,6 +272,8 @@ COMMANDS = {
     "peers": _cmd_peers,
     "identity": _cmd_identity,
     "version": _cmd_version,
+    "prepare-data": prepare_cmd.run,
+    "export": export_cmd.run,
 }
 
 

@@ -54,12 +54,15 @@ def encode_parts(codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]]
 def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]]) -> bytes:
     """Token-weighted mean of one part's (or piece's) contributions, in the order given, encoded once.
 
-    Elementwise, so the mean of a piece is that piece of the part's mean."""
+    Elementwise, so the mean of a piece is that piece of the part's mean. Each product is
+    rounded before it is added (``add_(x, alpha=a)`` fuses the two in torch's vectorized CPU
+    kernels only), so the bytes do not depend on the owner's CPU."""
     total = math.fsum(w for w, _ in contributions)
     (w0, first), rest = contributions[0], contributions[1:]
     acc = torch.mul(first, w0 / total)
+    term = torch.empty_like(acc) if rest else None
     for w, part in rest:
-        acc.add_(part, alpha=w / total)
+        acc.add_(torch.mul(part, w / total, out=term))
     return codec.encode(acc)
 
 

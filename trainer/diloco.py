@@ -266,7 +266,7 @@ class DiLoCoWorker:
         if self.outer_cfg.overlap == "delayed":
             start = [g.clone() for g in self.global_params]
         else:
-            start = self._preview(own_delta)
+            start = self.outer_opt.preview(own_delta)
         with self._lock:
             for s, p in zip(start, self.model.parameters()):
                 p.copy_(s)
@@ -274,19 +274,6 @@ class DiLoCoWorker:
             self._rebase_due = False
             self._steps_in_flight = 0
             self._settled.clear()
-
-    def _preview(self, g: list[torch.Tensor]) -> list[torch.Tensor]:
-        """θ after one outer step with gradient g, leaving θ and the momentum untouched."""
-        cfg = self.outer_cfg
-        out = []
-        for theta, m, d in zip(self.global_params, self.outer_opt.momentum_buffers(), g):
-            if cfg.momentum == 0:
-                step = d
-            else:
-                m_next = cfg.momentum * m + d if self.outer_opt.steps else d.clone()
-                step = d + cfg.momentum * m_next if cfg.nesterov else m_next
-            out.append(theta - cfg.lr * step)
-        return out
 
     # -- swarm state --------------------------------------------------------
 

@@ -1,9 +1,15 @@
 """The DiLoCo outer optimizer: SGD with (Nesterov) momentum on the global parameters.
 
-It is torch.optim.SGD itself, fed the averaged pseudo-gradient as the
-gradient, so its arithmetic is torch's to the bit; every peer applying the
-same averaged delta to the same parameters and momentum ends bit-identical.
-It acts on a plain list of tensors, whatever part of a model they are.
+Its semantics are torch.optim.SGD's (the first step sets m = Δ; Nesterov
+θ -= lr (Δ + μ m), heavy-ball θ -= lr m, no momentum θ -= lr Δ), but not its
+kernels: torch's ``add_(x, alpha=a)`` fuses a*x + y into one rounding in its
+vectorized CPU kernels and rounds twice in the scalar ones, so the same step
+gave different bits under ATEN_CPU_CAPABILITY=default and avx2, and would on
+an ARM host next to an x86 one. Here every product is its own op, rounded and
+stored before it is added (``trainer.determinism``), so a peer's θ depends
+only on its inputs, never on its CPU or on CPU versus GPU. The bits equal
+torch's scalar (x86 ``default``) path. It acts on a plain list of tensors,
+whatever part of a model they are.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ class OuterOptimizer:
         self.params = list(params)
         self.cfg = cfg
         self.steps = 0
-        self._sgd = torch.optim.SGD(self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        # None until the first step with momentum: torch sets m = Δ exactly then, which
+        # zeros would equal in value but not always in bits (0 + -0.0 = +0.0).
+        self._momentum: list[torch.Tensor | None] = [None] * len(self.params)
 
     def _check(self, tensors: list[torch.Tensor], what: str) -> None:
         if len(tensors) != len(self.params):
@@ -30,25 +38,44 @@ class OuterOptimizer:
                 raise ValueError(f"{what}: tensor {i} does not match parameter {tuple(p.shape)} {p.dtype}")
 
     @torch.no_grad()
+    def _update(self, i: int, delta: torch.Tensor, in_place: bool) -> torch.Tensor:
+        """θ_i after one step with Δ_i: into θ_i and m_i if ``in_place``, else into new tensors.
+
+        One rounding per op. A Python scalar is first rounded to the tensor's dtype, as
+        torch's SGD rounds lr and μ, so the bits are those of its unfused path."""
+        cfg, theta, m = self.cfg, self.params[i], self._momentum[i]
+        d = delta.detach().to(theta.device)
+        if cfg.momentum == 0:
+            step = torch.mul(d, cfg.lr)
+        else:
+            if m is None:
+                m = d.clone() if in_place else d
+            else:
+                m = m.mul_(cfg.momentum) if in_place else torch.mul(m, cfg.momentum)
+                m.add_(d)
+            if in_place:
+                self._momentum[i] = m
+            if cfg.nesterov:
+                step = torch.mul(m, cfg.momentum).add_(d).mul_(cfg.lr)
+            else:
+                step = torch.mul(m, cfg.lr)
+        return theta.sub_(step) if in_place else torch.sub(theta, step)
+
     def step(self, avg_delta: list[torch.Tensor]) -> None:
         """m <- mu m + delta; theta <- theta - lr (delta + mu m) (Nesterov) or theta - lr m."""
         self._check(avg_delta, "outer step")
-        for p, d in zip(self.params, avg_delta):
-            p.grad = d.to(p.device)
-        try:
-            self._sgd.step()
-        finally:
-            for p in self.params:
-                p.grad = None
+        for i, d in enumerate(avg_delta):
+            self._update(i, d, in_place=True)
         self.steps += 1
+
+    def preview(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """θ after one step with ``delta`` (new tensors), leaving θ and the momentum untouched."""
+        self._check(delta, "outer preview")
+        return [self._update(i, d, in_place=False) for i, d in enumerate(delta)]
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The momentum m, zeros before the first step (and when momentum is 0)."""
-        out = []
-        for p in self.params:
-            buf = self._sgd.state.get(p, {}).get("momentum_buffer")
-            out.append(torch.zeros_like(p) if buf is None else buf)
-        return out
+        return [torch.zeros_like(p) if m is None else m for p, m in zip(self.params, self._momentum)]
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "momentum": [b.detach().clone() for b in self.momentum_buffers()]}
@@ -60,11 +87,9 @@ class OuterOptimizer:
         if not isinstance(momentum, list):
             raise ValueError("outer optimizer state: missing momentum")
         self._check(momentum, "outer optimizer state")
-        self._sgd.state.clear()
-        # Before the first step torch has no buffer and sets m = delta exactly;
-        # installing zeros instead would be equal in value but not always in
-        # bits (0 + -0.0 = +0.0), so a fresh state stays buffer-less.
+        # A fresh state stays buffer-less (see __init__).
         if d["steps"] > 0 and self.cfg.momentum > 0:
-            for p, m in zip(self.params, momentum):
-                self._sgd.state[p]["momentum_buffer"] = m.detach().clone().to(p.device)
+            self._momentum = [m.detach().clone().to(p.device) for p, m in zip(self.params, momentum)]
+        else:
+            self._momentum = [None] * len(self.params)
         self.steps = d["steps"]

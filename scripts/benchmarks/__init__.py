@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import allreduce, codecs, convergence, join, scale, utilization
+from . import allreduce, codecs, convergence, dataloader, join, prepare, scale, utilization
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "allreduce": allreduce.run,
     "codecs": codecs.run,
     "convergence": convergence.run,
+    "dataloader": dataloader.run,
     "join": join.run,
+    "prepare": prepare.run,
     "scale": scale.run,
     "utilization": utilization.run,
 }
@@ -27,7 +29,9 @@ ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "allreduce": allreduce.add_arguments,
     "codecs": codecs.add_arguments,
     "convergence": convergence.add_arguments,
+    "dataloader": dataloader.add_arguments,
     "join": join.add_arguments,
+    "prepare": prepare.add_arguments,
     "scale": scale.add_arguments,
     "utilization": utilization.add_arguments,
 }

@@ -1,6 +1,8 @@
-"""The outer step: torch SGD semantics, weighted averaging, and DiLoCo's reduction to plain training."""
+"""The outer step: torch SGD semantics, the same bits on every CPU, its preview, weighted averaging, and
+DiLoCo's reduction to plain training."""
 
 import asyncio
+import platform
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from trainer.diloco import DiLoCoWorker, run_round
 from trainer.outer import OuterOptimizer
 from trainer.simulator import Simulator
 
+from tests.unit.test_determinism import assert_same_everywhere, hashes_by_capability
+
 
 @pytest.fixture(scope="module")
 def corpus():
@@ -20,7 +24,7 @@ def corpus():
 
 def configs(outer: OuterConfig) -> dict:
     return dict(
-        model=ModelConfig(preset="tiny"),
+        model=ModelConfig(source="tiny"),
         data=DataConfig(batch_size=4, seq_len=64, eval_batches=2),
         inner=InnerConfig(lr=1e-3, warmup_steps=3, total_steps=40),
         outer=outer,
@@ -115,16 +119,37 @@ def test_failed_member_gets_none_and_the_rest_average_without_it():
     assert torch.equal(a[0], torch.tensor([1.0])) and torch.equal(c[0], torch.tensor([1.0]))
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_outer_optimizer_matches_torch_sgd_bit_for_bit(nesterov):
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(5, 3), (7,), (2, 2, 2)]
-    ours = [torch.randn(s, generator=gen) for s in shapes]
-    ref = [p.clone().requires_grad_(True) for p in ours]
-    deltas = [[torch.randn(s, generator=gen) * 0.01 for s in shapes] for _ in range(3)]
-    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+def exact_values(shape, generator: torch.Generator, exponent: int) -> torch.Tensor:
+    """fp32 values of 24 random bits times 2^exponent, with zeros and signed zeros: the same bits
+    on every CPU (torch's float32 randn is not)."""
+    values = torch.randint(-(2**24), 2**24, shape, generator=generator).to(torch.float32) * 2.0 ** (exponent - 24)
+    flat = values.view(-1)
+    flat[::97], flat[1::101] = 0.0, -0.0
+    return values
+
+
+# Shapes whose sizes are no multiple of any vector width (a vectorized kernel's tail runs other code).
+SHAPES = [(517, 389), (65_537,), (3, 5, 7), (1,)]
+OUTER_CONFIGS = {"nesterov": OuterConfig(lr=0.7, momentum=0.9, nesterov=True),
+                 "heavy_ball": OuterConfig(lr=0.7, momentum=0.9, nesterov=False),
+                 "no_momentum": OuterConfig(lr=0.7, momentum=0.0)}
+
+
+def outer_inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    theta = [exact_values(s, gen, 0) for s in SHAPES]
+    deltas = [[exact_values(s, gen, -6) for s in SHAPES] for _ in range(3)]
+    return theta, deltas
+
+
+@pytest.mark.parametrize("name", OUTER_CONFIGS)
+def test_outer_optimizer_matches_torch_sgd(name):
+    cfg = OUTER_CONFIGS[name]
+    theta, deltas = outer_inputs()
+    ours = [p.clone() for p in theta]
+    ref = [p.clone().requires_grad_(True) for p in theta]
     opt = OuterOptimizer(ours, cfg)
-    sgd = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=nesterov)
+    sgd = torch.optim.SGD(ref, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
     assert all(torch.equal(m, torch.zeros_like(p)) for m, p in zip(opt.momentum_buffers(), ours))
     for step, delta in enumerate(deltas):
         if step == 2:
@@ -137,10 +162,95 @@ def test_outer_optimizer_matches_torch_sgd_bit_for_bit(nesterov):
             p.grad = d.clone()
         sgd.step()
         opt.step(delta)
+        # torch's vectorized kernels fuse lr * g into the update (one rounding fewer), its scalar
+        # ones do not (see test_outer_step_has_the_same_bits_under_every_cpu_capability).
         for a, b in zip(ours, ref):
-            assert torch.equal(a, b.detach())
+            assert torch.allclose(a, b.detach(), rtol=1e-6, atol=1e-8)
+        # m <- mu m + delta rounds the same either way.
         for m, p in zip(opt.momentum_buffers(), ref):
-            assert torch.equal(m, sgd.state[p]["momentum_buffer"])
+            expected = sgd.state[p]["momentum_buffer"] if cfg.momentum else torch.zeros_like(p)
+            assert torch.equal(m, expected)
+
+
+def test_first_step_sets_momentum_to_delta_bit_for_bit():
+    delta = [torch.tensor([-0.0, 0.0, 1.5])]
+    opt = OuterOptimizer([torch.zeros(3)], OuterConfig(lr=0.5, momentum=0.9))
+    opt.load_state_dict(opt.state_dict())  # a fresh state stays fresh
+    opt.step(delta)
+    m = opt.momentum_buffers()[0]
+    assert torch.equal(torch.signbit(m), torch.tensor([True, False, False])) and m is not delta[0]
+
+
+@pytest.mark.parametrize("name", OUTER_CONFIGS)
+def test_preview_is_the_next_step_and_changes_nothing(name):
+    cfg = OUTER_CONFIGS[name]
+    theta, deltas = outer_inputs(1)
+    opt = OuterOptimizer([p.clone() for p in theta], cfg)
+    for delta in deltas:
+        before = [p.clone() for p in opt.params], [m.clone() for m in opt.momentum_buffers()], opt.steps
+        preview = opt.preview(delta)
+        assert all(torch.equal(a, b) for a, b in zip(opt.params, before[0]))
+        assert all(torch.equal(a, b) for a, b in zip(opt.momentum_buffers(), before[1])) and opt.steps == before[2]
+        assert all(p is not q for p, q in zip(preview, opt.params))
+        opt.step(delta)
+        assert all(torch.equal(a, b) for a, b in zip(preview, opt.params))
+    with pytest.raises(ValueError):
+        opt.preview([torch.zeros(2)])
+
+
+OUTER_CHILD = r"""
+import hashlib, json
+import torch
+from tests.unit.test_outer import OUTER_CONFIGS, outer_inputs
+from trainer.outer import OuterOptimizer
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+out = {}
+theta, deltas = outer_inputs()
+for name, cfg in OUTER_CONFIGS.items():
+    opt = OuterOptimizer([p.clone() for p in theta], cfg)
+    ref = [p.clone().requires_grad_(True) for p in theta]
+    sgd = torch.optim.SGD(ref, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+    for step, delta in enumerate(deltas):
+        out[f"ours_{name}_preview_{step}"] = digest(opt.preview(delta))
+        opt.step(delta)
+        out[f"ours_{name}_theta_{step}"] = digest(opt.params)
+        out[f"ours_{name}_momentum_{step}"] = digest(opt.momentum_buffers())
+        for p, d in zip(ref, delta):
+            p.grad = d.clone()
+        sgd.step()
+    out[f"torch_sgd_{name}"] = digest(p.detach() for p in ref)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_outer_step_has_the_same_bits_under_every_cpu_capability():
+    results = hashes_by_capability(OUTER_CHILD)
+    assert_same_everywhere(results, "ours_")  # not torch_sgd_*: its vectorized kernels fuse lr * g
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # x86's scalar kernels round every product: torch's SGD there is this step, bit for bit.
+        for name in OUTER_CONFIGS:
+            assert results["default"][f"torch_sgd_{name}"] == results["default"][f"ours_{name}_theta_2"], name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_outer_step_on_cuda_has_the_cpu_bits():
+    theta, deltas = outer_inputs()
+    for cfg in OUTER_CONFIGS.values():
+        cpu = OuterOptimizer([p.clone() for p in theta], cfg)
+        gpu = OuterOptimizer([p.cuda() for p in theta], cfg)
+        for delta in deltas:
+            preview = gpu.preview([d.cuda() for d in delta])
+            cpu.step(delta)
+            gpu.step(delta)  # a CPU delta is moved to the parameters' device
+            for a, b, c in zip(cpu.params, gpu.params, preview):
+                assert torch.equal(a, b.cpu()) and torch.equal(a, c.cpu())
 
 
 def test_outer_optimizer_rejects_mismatched_delta():
