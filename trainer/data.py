@@ -191,7 +191,8 @@ class ShardSampler:
     """Batches of (input, next-token target) from one peer's stream over a token source.
 
     ``source`` is the byte corpus (a 1-D uint8 tensor from load_corpus), a
-    TokenDataset, or a list of 1-D integer arrays (each a shard).
+    TokenDataset, or a list of 1-D integer arrays, each a shard (read as they
+    are: only a TokenDataset's mapped pages are handed back after each read).
     """
 
     def __init__(
@@ -241,8 +242,11 @@ class ShardSampler:
         self._digest: str | None = None
 
     def _windows(self, windows: _Windows, numbers: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.from_numpy(windows.read(numbers, self._dataset))
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        rows = windows.read(numbers, self._dataset)
+        # Copied by numpy, not torch: torch splits large copies over its intra-op
+        # threads, which are busy training (or other processes'), and waits for them.
+        x, y = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
+        return torch.from_numpy(x), torch.from_numpy(y)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Next training batch: x and y of shape [batch_size, seq_len], y shifted by one."""

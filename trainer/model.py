@@ -161,12 +161,21 @@ def _pretrained_model(path: str) -> nn.Module:
 
     if not _weight_files(path):
         raise _fail(path, "no *.safetensors weights (model.init = pretrained; use random to start from the config)")
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report repeats what is checked (and said in one line) below
+    hf_logging.disable_progress_bar()  # a node's log is read line by line
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, use_safetensors=True, dtype=torch.float32, attn_implementation="sdpa",
             output_loading_info=True, trust_remote_code=False)
     except Exception as e:
-        raise _fail(path, f"weights do not load: {_one_line(e)}") from None
+        raise _fail(path, f"weights do not match config.json: {_shape_mismatches(path) or _one_line(e)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     problems = []
     for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"), ("mismatched_keys", "wrong shape"),
                       ("error_msgs", "error")):
@@ -186,6 +195,27 @@ def check_source(cfg: ModelConfig) -> None:
     read_hf_config(path)
     if cfg.init in ("auto", "pretrained") and not _weight_files(path):
         raise _fail(path, "no *.safetensors weights (model.init = pretrained; use random to start from the config)")
+
+
+def _shape_mismatches(path: str) -> str:
+    """Which tensors of the safetensors files have another shape than the config's model
+    (transformers only says that some did); empty if that cannot be told."""
+    try:
+        from safetensors import safe_open
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(read_hf_config(path)).state_dict().items()}
+        wrong = []
+        for file in _weight_files(path):
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if key in expected and expected[key] != shape:
+                        wrong.append(f"{key} is {list(shape)}, config.json needs {list(expected[key])}")
+    except Exception:
+        return ""
+    return f"{len(wrong)} tensors of another shape ({'; '.join(wrong[:2])}{'; ...' if len(wrong) > 2 else ''})" if wrong else ""
 
 
 def load_model(cfg: ModelConfig, seed: int) -> LoadedModel:

@@ -133,8 +133,9 @@ class TokenDataset:
                 continue
             itemsize = self.shards[k].itemsize
             first = HEADER_BYTES + start * itemsize
-            last = len(m) if count is None else min(len(m), first + count * itemsize)
+            last = len(m) if count is None else first + count * itemsize
             first -= first % RELEASE_ALIGN
+            last = min(len(m), -(-last // RELEASE_ALIGN) * RELEASE_ALIGN)
             if last > first:
                 m.madvise(mmap.MADV_DONTNEED, first, last - first)
 

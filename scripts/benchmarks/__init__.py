@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import allreduce, codecs, convergence, dataloader, join, prepare, scale, utilization
+from . import allreduce, codecs, convergence, dataloader, join, overhead, prepare, scale, utilization
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "allreduce": allreduce.run,
@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "convergence": convergence.run,
     "dataloader": dataloader.run,
     "join": join.run,
+    "overhead": overhead.run,
     "prepare": prepare.run,
     "scale": scale.run,
     "utilization": utilization.run,
@@ -31,6 +32,7 @@ ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "convergence": convergence.add_arguments,
     "dataloader": dataloader.add_arguments,
     "join": join.add_arguments,
+    "overhead": overhead.add_arguments,
     "prepare": prepare.add_arguments,
     "scale": scale.add_arguments,
     "utilization": utilization.add_arguments,

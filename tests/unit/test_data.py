@@ -1,7 +1,6 @@
 """Where tokens come from and each peer's sampler over them: the byte corpus and token shards."""
 
 import hashlib
-import json
 import logging
 import os
 import shutil

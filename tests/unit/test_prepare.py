@@ -1,5 +1,6 @@
 """`gonka-node prepare-data`: text and JSONL in, a token dataset out; bad input named in one line."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -49,8 +50,6 @@ def test_documents_in_input_order_each_ended_by_eos(tmp_path, tokenizer_dir):
     assert tokens_of(tmp_path / "out") == expected
     assert (ds.documents, ds.total_tokens, ds.dtype, ds.eos_id, ds.eos_token, ds.vocab_size) == (5, len(expected), "uint16", 1, "</s>", 320)
     with open(os.path.join(tokenizer_dir, "tokenizer.json"), "rb") as f:
-        import hashlib
-
         assert ds.tokenizer_sha256 == hashlib.sha256(f.read()).hexdigest()
     # What transformers reads back is the text, documents joined by the EOS token.
     from transformers import AutoTokenizer
