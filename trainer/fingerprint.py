@@ -74,7 +74,7 @@ class Fingerprint:
         for key, name in PART_NAMES.items():
             mine, other = self.parts.get(key), theirs.get(key)
             if mine != other:
-                differ.append(f"{name} differs (this node {mine or '-'}, peer {other or '-'})")
+                differ.append(f"different {name} (this node {mine or '-'}, peer {other or '-'})")
         unknown = sorted(set(theirs) - set(PART_NAMES))
         if unknown:
             differ.append(f"unknown parts {', '.join(unknown[:3])}")

@@ -110,13 +110,12 @@ def _weight_files(path: str) -> list[str]:
 
 @contextlib.contextmanager
 def _seeded_init(draw_from: torch.Generator, seed: int):
-    """transformers' init functions, with normal draws from ``draw_from`` (capability-independent)
-    and every other draw from the global RNG seeded by ``seed`` (restored afterwards)."""
+    """transformers' init functions, with normal and uniform draws from ``draw_from`` (bits
+    independent of the CPU) and any other draw from the global RNG seeded by ``seed`` (restored
+    afterwards)."""
     import transformers.initialization as init
 
     from trainer.determinism import seeded_normal_
-
-    original = init.normal_
 
     def normal_(tensor, mean=0.0, std=1.0, generator=None):
         if getattr(tensor, "_is_hf_initialized", False):
@@ -124,13 +123,25 @@ def _seeded_init(draw_from: torch.Generator, seed: int):
         with torch.no_grad():
             return seeded_normal_(tensor, std, draw_from, mean=mean)
 
-    init.normal_ = normal_
+    def uniform_(tensor, a=0.0, b=1.0, generator=None):
+        if getattr(tensor, "_is_hf_initialized", False):
+            return tensor
+        with torch.no_grad():
+            # float64 uniform_ is k * 2^-53 (integer arithmetic); one multiply and one add,
+            # each rounded, then one rounding to the tensor's dtype.
+            u = torch.empty(tensor.shape, dtype=torch.float64).uniform_(generator=draw_from)
+            return tensor.copy_(torch.add(torch.mul(u, float(b) - float(a)), float(a)))
+
+    originals = init.normal_, init.uniform_
+    init.normal_, init.uniform_ = normal_, uniform_
     try:
+        # Other schemes (trunc_normal_, kaiming_*, ...) draw from the global RNG, seeded here;
+        # their bits may depend on the CPU, which the run fingerprint's init hash would show.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             yield
     finally:
-        init.normal_ = original
+        init.normal_, init.uniform_ = originals
 
 
 def _random_model(config, seed: int) -> nn.Module:

@@ -24,7 +24,7 @@ def test_another_model_is_refused_on_both_sides(nodes):
     assert stranger.wait_exit(timeout=120) == 2, stranger.log()[-3000:]
     errors = [line for line in stranger.log().splitlines() if line.startswith("gonka-node: error:")]
     assert len(errors) == 1, stranger.log()[-3000:]
-    assert re.search(r"swarm.bootstrap: the swarm of run 'default' trains another run: .*model config differs", errors[0])
+    assert re.search(r"swarm.bootstrap: the swarm of run 'default' trains another run: .*different model config", errors[0])
 
     # The swarm refused it too, and went on committing rounds of two, never three.
     wait_until(lambda: all("refusing peer" in n.log() for n in (first, second)), 60, "both peers to refuse n3")
@@ -34,7 +34,7 @@ def test_another_model_is_refused_on_both_sides(nodes):
     for n in (first, second):
         log = n.log()
         line = next(l for l in log.splitlines() if "refusing peer" in l)
-        assert "model config differs" in line
+        assert "different model config" in line
         assert "members=3" not in log and "resynced" not in log
     for n in (first, second):
         n.proc.send_signal(signal.SIGTERM)
@@ -43,3 +43,17 @@ def test_another_model_is_refused_on_both_sides(nodes):
     common_rounds = set(first.rounds()) & set(second.rounds())
     assert len(common_rounds) >= reached + 2
     assert all(first.rounds()[r] == second.rounds()[r] for r in common_rounds)
+
+
+def test_a_checkpoint_of_another_run_is_refused(nodes, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = nodes("first", "--inner-steps", "3", "--max-rounds", "1", "--checkpoint-dir", ckpt)
+    assert first.wait_exit(timeout=120) == 0, first.log()[-3000:]
+    again = nodes("again", "--inner-steps", "3", "--max-rounds", "2", "--checkpoint-dir", ckpt,
+                  "--set", "outer.lr=0.5")
+    assert again.wait_exit(timeout=120) == 2, again.log()[-3000:]
+    errors = [line for line in again.log().splitlines() if line.startswith("gonka-node: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "gonka-node: error: node.checkpoint_dir: holds a checkpoint of another run: different outer settings "
+        "(this node lr=0.5,"), errors
+    assert "committed" not in again.log()

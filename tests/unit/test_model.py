@@ -143,3 +143,22 @@ def test_no_hub_access(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not a directory"):
         load_model(ModelConfig(source="hf:Qwen/Qwen2-0.5B"), 0)
     assert not os.path.exists(tmp_path / "Qwen")
+
+
+@pytest.mark.timeout(300)
+def test_random_init_has_the_same_bits_on_every_cpu_kind(tmp_path):
+    from tests.unit.test_determinism import assert_same_everywhere, hashes_by_capability
+
+    path = build_model_dir(tmp_path / "m", "llama", weights=False)
+    script = (
+        "import json, hashlib\n"
+        "from trainer.config import ModelConfig\nfrom trainer.model import load_model\n"
+        "out = {}\n"
+        f"for name, source in (('tiny', 'tiny'), ('llama', 'hf:{path}')):\n"
+        "    m = load_model(ModelConfig(source=source, init='random'), 5).module\n"
+        "    h = hashlib.blake2b(digest_size=16)\n"
+        "    for p in m.parameters(): h.update(p.detach().numpy().tobytes())\n"
+        "    out[name] = h.hexdigest()\n"
+        "print(json.dumps(out))\n"
+    )
+    assert_same_everywhere(hashes_by_capability(script))
