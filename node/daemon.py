@@ -14,6 +14,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -65,19 +66,6 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def open_data(paths: list[str]):
-    """The training tokens: a prepared token-shard directory, or text read as bytes."""
-    from trainer.data import load_corpus
-    from trainer.tokens import is_token_dataset, open_token_dataset
-
-    shards = [p for p in paths if is_token_dataset(p)]
-    if shards:
-        if len(paths) > 1:
-            raise UsageError(f"data.paths: {shards[0]} is a token-shard directory; give it alone, not with other paths")
-        return open_token_dataset(shards[0])
-    return load_corpus(paths)
-
-
 class Node:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -88,6 +76,9 @@ class Node:
         self.loop_ = None
         self.worker = None
         self._stop_early = False  # a signal arrived before the training loop existed
+        self.corpus = None
+        # A problem found while training (e.g. a corrupt shard): the node stops with exit code 1.
+        self._failure: str | None = None
 
     async def run(self) -> int:
         cfg = self.config
@@ -119,7 +110,16 @@ class Node:
             if self.metrics.bound_port is not None:
                 host = cfg.node.metrics_addr.rsplit(":", 1)[0]
                 print(f"metrics on http://{host}:{self.metrics.bound_port}/metrics", flush=True)
-            await self.loop_.run()
+            checks = self._start_background_checks()
+            try:
+                await self.loop_.run()
+            finally:
+                for task in checks:
+                    task.cancel()
+                await asyncio.gather(*checks, return_exceptions=True)
+            if self._failure is not None:
+                print(f"gonka-node: error: {self._failure}", file=sys.stderr, flush=True)
+                code = EXIT_RUNTIME
         except RunMismatch as e:
             print(f"gonka-node: error: {e}", file=sys.stderr, flush=True)
             code = EXIT_USAGE
@@ -130,6 +130,32 @@ class Node:
             await self.close()
             self._remove_signal_handlers()
         return code
+
+    def _start_background_checks(self) -> list[asyncio.Task]:
+        """data.verify = background: hash the token shards while training."""
+        if self.config.data.verify != "background" or not hasattr(self.corpus, "verify"):
+            return []
+        stop = threading.Event()
+
+        async def verify() -> None:
+            from trainer.tokens import Stopped
+
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self.corpus.verify, stop.is_set)
+            except Stopped:
+                return
+            except asyncio.CancelledError:
+                stop.set()  # the hashing thread stops at its next chunk
+                raise
+            except ValueError as e:
+                self._failure = str(e)
+                log.error("%s: stopping", e)
+                self.loop_.request_stop()
+                return
+            log.info("data verified: every shard matches its manifest sha256 (%.1fs)", time.monotonic() - started)
+
+        return [asyncio.create_task(verify(), name="verify-data")]
 
     def _remove_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -164,7 +190,9 @@ class Node:
         from trainer.model import check_source
 
         await asyncio.to_thread(check_source, cfg.model)
-        corpus = await asyncio.to_thread(open_data, cfg.data.paths)
+        from trainer.data import open_source
+
+        self.corpus = corpus = await asyncio.to_thread(open_source, cfg.data.paths, verify=cfg.data.verify == "start")
         checkpoint = await asyncio.to_thread(load_checkpoint, cfg.node.checkpoint_dir) if cfg.node.checkpoint_dir else None
         if checkpoint is not None and checkpoint.get("run_id") != cfg.node.run_id:
             raise UsageError(f"node.checkpoint_dir: holds run {checkpoint.get('run_id')!r}, not {cfg.node.run_id!r}")

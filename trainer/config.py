@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 MODEL_PRESETS = ("tiny", "small", "base")
 MODEL_INITS = ("auto", "pretrained", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
+VERIFY_MODES = ("start", "background", "off")
 OVERLAP_MODES = ("off", "delayed", "eager")
 
 
@@ -58,6 +59,11 @@ class DataConfig:
     # of text files read as bytes (the byte-level presets; at most the first 64 MiB).
     # Empty: the built-in byte corpus, the Python standard library's sources on this machine.
     paths: list[str] = field(default_factory=list)
+    # Token shards: check every shard's sha256 against the manifest at start (exit 2 on a
+    # mismatch; about a second per 1.5 GB), in the background while training (a mismatch
+    # stops the node, exit 1; for datasets too big to hash before every start), or off
+    # (headers and sizes only, which are always checked).
+    verify: str = "start"
     # Sequences per inner step on this peer (its tokens per step = batch_size * seq_len).
     batch_size: int = 8
     # Tokens per training sequence; 0 = the model's context length (max_position_embeddings).
@@ -71,6 +77,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         require(all(isinstance(p, str) and p for p in self.paths), "data.paths", "must be a list of non-empty paths")
+        require(self.verify in VERIFY_MODES, "data.verify", f"must be one of {', '.join(VERIFY_MODES)} (got {self.verify!r})")
         require(self.batch_size >= 1, "data.batch_size", f"must be >= 1 (got {self.batch_size})")
         require(self.seq_len >= 0, "data.seq_len", f"must be >= 0 (got {self.seq_len})")
         require(0.0 < self.eval_fraction < 0.5, "data.eval_fraction", f"must be in (0, 0.5) (got {self.eval_fraction})")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.tokens import TokenDataset, is_token_dataset
+from trainer.tokens import TokenDataset, is_token_dataset, open_token_dataset
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def open_source(paths: list[str], *, verify: bool = True) -> "torch.Tensor | TokenDataset":
+    """The training tokens of ``data.paths``: one prepared token-shard directory (``verify``:
+    check every shard's sha256 now), or text files and directories read as bytes."""
+    datasets = [p for p in paths if is_token_dataset(p)]
+    if not datasets:
+        return load_corpus(paths)
+    if len(paths) > 1:
+        raise ValueError(f"data.paths: {datasets[0]} is a token-shard directory; give it alone, not with other paths")
+    return open_token_dataset(datasets[0], verify=verify)
+
+
 def load_corpus(paths: list[str]) -> torch.Tensor:
     """All bytes of ``paths`` (files, or directories read recursively) as one uint8 tensor.
 
@@ -72,8 +83,6 @@ def load_corpus(paths: list[str]) -> torch.Tensor:
             raise ValueError("data.paths: empty, and no Python standard library sources found for the default corpus")
     files = []
     for path in paths:
-        if is_token_dataset(path):
-            raise ValueError(f"data.paths: {path!r} is a token dataset; it is read on its own (open_token_dataset), not as text")
         if os.path.isdir(path):
             under = _files_under(path)
             if not under:

@@ -76,12 +76,18 @@ def pack_header(dtype: str, count: int) -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, _CODE_OF[dtype], count).ljust(HEADER_BYTES, b"\0")
 
 
-def file_sha256(path: str) -> str:
-    """sha256 of a file's bytes, read in bounded chunks."""
+class Stopped(Exception):
+    """A long check was told to stop before it finished."""
+
+
+def file_sha256(path: str, should_stop=None) -> str:
+    """sha256 of a file's bytes, read in bounded chunks; ``should_stop()`` is asked between chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
+            if should_stop is not None and should_stop():
+                raise Stopped(path)
     return digest.hexdigest()
 
 
@@ -118,6 +124,10 @@ class TokenDataset:
             np.frombuffer(m, dtype=dtype, offset=HEADER_BYTES) if m is not None else np.empty(0, dtype=dtype)
             for m in maps
         ]
+
+    def verify(self, should_stop=None) -> None:
+        """Check every shard's sha256 against the manifest; ValueError naming the shard if one differs."""
+        verify_shards(self.shard_paths, self.manifest["shards"], should_stop)
 
     def release_pages(self, shard: int | None = None, start: int = 0, count: int | None = None) -> None:
         """Unmap this process's pages of tokens [start, start + count) of ``shard`` (all
@@ -234,6 +244,15 @@ def _check_shard(file: str, shard: dict, dtype: str) -> None:
         raise _fail(file, f"shard has {size - expected} bytes after its {count} tokens")
 
 
+def verify_shards(files: list[str], shards: list[dict], should_stop=None) -> None:
+    """Check every shard's sha256 against the manifest (reads each byte once, in bounded memory);
+    raises Stopped as soon as ``should_stop()`` says so."""
+    for file, shard in zip(files, shards):
+        actual = file_sha256(file, should_stop)
+        if actual != shard["sha256"]:
+            raise _fail(file, f"sha256 is {actual}, the manifest says {shard['sha256']} (corrupt or changed shard)")
+
+
 def open_token_dataset(path: str, *, verify: bool = True) -> TokenDataset:
     """Open the dataset directory ``path``, checking its manifest and every shard's header
     and size; ``verify`` also checks each shard's sha256 (reads every byte once).
@@ -245,10 +264,7 @@ def open_token_dataset(path: str, *, verify: bool = True) -> TokenDataset:
     for file, shard in zip(files, manifest["shards"]):
         _check_shard(file, shard, manifest["dtype"])
     if verify:
-        for file, shard in zip(files, manifest["shards"]):
-            actual = file_sha256(file)
-            if actual != shard["sha256"]:
-                raise _fail(file, f"sha256 is {actual}, the manifest says {shard['sha256']} (corrupt or changed shard)")
+        verify_shards(files, manifest["shards"])
     maps: list[mmap.mmap | None] = []
     for file, shard in zip(files, manifest["shards"]):
         if shard["tokens"] == 0:

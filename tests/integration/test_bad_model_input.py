@@ -36,9 +36,9 @@ def copy_dataset(src, dst):
     return dst
 
 
-def start(tmp_path, model: str, data: str) -> subprocess.CompletedProcess:
+def start(tmp_path, model: str, data: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [str(BIN), "start", *FAST, "--control", "off", "--model", model, "--data", data, "--max-rounds", "1",
-           "--set", "data.seq_len=32"]
+           "--set", "data.seq_len=32", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         out, err = proc.communicate(timeout=120)
@@ -101,3 +101,19 @@ def test_bad_models_and_datasets_exit_2_naming_the_path(prepared, tmp_path):
     # Text read as bytes is for the byte-level presets only.
     out = start(tmp_path, model, str(root / "text.txt"))
     assert out.returncode == 2 and "prepare-data" in out.stderr.splitlines()[-1], out.stderr[-2000:]
+
+
+def test_a_corrupt_shard_found_while_training_stops_the_node_with_exit_1(prepared, tmp_path):
+    corrupt = copy_dataset(prepared / "data", tmp_path / "corrupt")
+    shard = corrupt / shard_of(corrupt)
+    data = bytearray(shard.read_bytes())
+    data[-2:] = b"\xff\x00"  # a token changed: header and size still right
+    shard.write_bytes(bytes(data))
+    out = start(tmp_path, f"hf:{prepared / 'model'}", str(corrupt), "--set", "data.verify=background",
+                "--max-rounds", "1000", "--inner-steps", "200")
+    assert out.returncode == 1, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("gonka-node: error:")]
+    assert len(errors) == 1 and str(shard) in errors[0] and "sha256" in errors[0], out.stderr[-2000:]
+    # The same dataset with the default (verify at start) is refused before training: exit 2.
+    out = start(tmp_path, f"hf:{prepared / 'model'}", str(corrupt))
+    assert out.returncode == 2 and "sha256" in out.stderr, out.stderr[-2000:]

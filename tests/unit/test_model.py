@@ -41,6 +41,10 @@ def test_random_init_is_seeded_and_leaves_the_global_rng_alone():
     weight = a.module.model.layers[0].self_attn.q_proj.weight
     assert abs(weight.std().item() - 0.02) < 0.002  # the architecture's own scheme (initializer_range)
     assert torch.equal(a.module.model.norm.weight, torch.ones(128))
+    # A fresh init predicts close to uniform over the 256 bytes.
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert abs(lm_loss(a.module, x[:, :-1], x[:, 1:]).item() - torch.log(torch.tensor(256.0)).item()) < 0.2
 
 
 def test_tied_embeddings_and_rotary_buffers_come_out_right():
