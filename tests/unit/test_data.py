@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import MAX_CORPUS_BYTES, ShardSampler, default_corpus_paths, load_corpus
-from trainer.tokens import HEADER_BYTES, ShardWriter, open_token_dataset, pack_header, shard_name, write_manifest
+from trainer.data import MAX_CORPUS_BYTES, ShardSampler, default_corpus_paths, load_corpus, open_source
+from trainer.tokens import HEADER_BYTES, ShardWriter, TokenDataset, open_token_dataset, pack_header, shard_name, write_manifest
 
 TOKENIZER = {"sha256": "0" * 64, "vocab_size": 1 << 20, "eos_id": 0, "eos_token": "</s>", "source": "test"}
 
@@ -62,12 +62,18 @@ def test_load_corpus_says_what_it_leaves_out(tmp_path, caplog):
     assert not caplog.records
 
 
-def test_load_corpus_refuses_a_token_dataset(tmp_path):
-    writer = ShardWriter(str(tmp_path), dtype="uint16", shard_tokens=100)
+def test_open_source_reads_a_token_dataset_alone(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    writer = ShardWriter(str(data), dtype="uint16", shard_tokens=100)
     writer.add(np.arange(50, dtype=np.uint16))
     writer.finish(tokenizer=dict(TOKENIZER, vocab_size=100), documents=1)
-    with pytest.raises(ValueError, match=r"^data\.paths: .* is a token dataset"):
-        load_corpus([str(tmp_path)])
+    source = open_source([str(data)])
+    assert isinstance(source, TokenDataset) and source.total_tokens == 50
+    (tmp_path / "a.txt").write_text("some text " * 100)
+    with pytest.raises(ValueError, match=r"^data\.paths: .*/data is a token-shard directory; give it alone"):
+        open_source([str(data), str(tmp_path / "a.txt")])
+    assert isinstance(open_source([str(tmp_path / "a.txt")]), torch.Tensor)
 
 
 def split_corpus(n=20000, eval_fraction=0.1):
