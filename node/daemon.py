@@ -77,6 +77,7 @@ class Node:
         self.worker = None
         self._stop_early = False  # a signal arrived before the training loop existed
         self.corpus = None
+        self.compute = None
         # A problem found while training (e.g. a corrupt shard): the node stops with exit code 1.
         self._failure: str | None = None
 
@@ -172,6 +173,7 @@ class Node:
 
     async def start(self) -> None:
         from node.allocator import tune_malloc
+        from node.compute import ComputeThread
         from node.control import ControlServer
         from node.loop import TrainingLoop
         from node.metrics import NodeMetrics
@@ -184,8 +186,9 @@ class Node:
 
         cfg = self.config
         tune_malloc()
-        if cfg.node.threads:
-            torch.set_num_threads(cfg.node.threads)
+        # The trainer's thread gets the intra-op threads; every other thread one (node/compute.py).
+        self.compute = ComputeThread(cfg.node.threads or torch.get_num_threads())
+        torch.set_num_threads(1)
         device = resolve_device(cfg.node.device)
         from trainer.model import check_source
 
@@ -224,7 +227,8 @@ class Node:
         self.status.multiaddrs = list(self.swarm.maddrs)
         self.metrics.set_info(self.swarm.peer_id, cfg.node.run_id, self.status.version)
 
-        self.worker = await asyncio.to_thread(
+        await self.compute.start()
+        self.worker = await self.compute(
             lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
                                  shard_key=self.swarm.peer_id, seed=cfg.node.seed, device=device)
         )
@@ -238,6 +242,7 @@ class Node:
         rounds = RoundProtocol(self.swarm, self.metrics)
         server = StateServer(self.swarm, self.metrics)
         self.loop_ = TrainingLoop(worker=self.worker, swarm=self.swarm, rounds=rounds, server=server,
+                                  compute=self.compute,
                                   metrics=self.metrics, status=self.status, inner_steps=cfg.inner.steps,
                                   max_rounds=cfg.node.max_rounds, on_commit=self.after_commit)
         if checkpoint is not None:
@@ -307,6 +312,9 @@ class Node:
         steps = []
         if self.loop_ is not None:
             steps.append(("checkpoint", self.checkpoint))
+        if self.compute is not None:
+            compute = self.compute
+            steps.append(("compute", lambda: asyncio.to_thread(compute.close)))
         if self.swarm is not None:
             steps.append(("swarm", self.swarm.close))
         if self.control is not None:

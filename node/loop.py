@@ -29,8 +29,10 @@ class RunMismatch(Exception):
 
 class TrainingLoop:
     def __init__(self, *, worker: DiLoCoWorker, swarm: Swarm, rounds: RoundProtocol, server: StateServer,
-                 metrics, status: Status, inner_steps: int, max_rounds: int, on_commit) -> None:
+                 compute, metrics, status: Status, inner_steps: int, max_rounds: int, on_commit) -> None:
         self.worker = worker
+        # Runs the worker's heavy calls on the trainer's own thread (node/compute.py).
+        self.compute = compute
         self.swarm = swarm
         self.rounds = rounds
         self.server = server
@@ -95,14 +97,14 @@ class TrainingLoop:
         await self.check_consistency()
         if self.round_step == 0:  # a re-sync discarded this round's work
             return
-        delta = await asyncio.to_thread(self.worker.pseudo_gradient)
+        delta = await self.compute(self.worker.pseudo_gradient)
         # Weight = tokens this peer trained on in the round (DiLoCo's token-weighted average).
         weight = float(self.round_step * self.tokens_per_step)
         if not self.overlapped:
             if await self.average_until_settled(delta, weight) == "behind":
                 await self.resync("behind")
             return
-        await asyncio.to_thread(self.worker.start_overlapped, delta)
+        await self.compute(self.worker.start_overlapped, delta)
         self.round_step = 0
         self.pending = asyncio.ensure_future(self.average_until_settled(delta, weight))
         # Committed (the average already applied), behind, or stopping: a step waiting for it goes on.
@@ -113,7 +115,7 @@ class TrainingLoop:
         wall-clock target or the swarm's token budget for the round is reached."""
         cfg = self.worker.inner_cfg
         if not (cfg.round_seconds or cfg.round_tokens):
-            return await asyncio.to_thread(self.worker.inner_steps, self.inner_steps - self.round_step,
+            return await self.compute(self.worker.inner_steps, self.inner_steps - self.round_step,
                                            self.stop_flag.is_set)
         started, first_step = time.monotonic(), self.worker.inner_step
         done_before = self.round_step * self.tokens_per_step  # resumed mid-round
@@ -142,7 +144,7 @@ class TrainingLoop:
 
         monitor = asyncio.ensure_future(share_progress()) if cfg.round_tokens else None
         try:
-            stats = await asyncio.to_thread(self.worker.inner_steps, 1 << 62, should_stop)
+            stats = await self.compute(self.worker.inner_steps, 1 << 62, should_stop)
         finally:
             if monitor is not None:
                 monitor.cancel()
@@ -187,7 +189,10 @@ class TrainingLoop:
         wait for the round boundary."""
         members = len(self.rounds.last.members)
         overlapped = self.overlapped
-        await asyncio.to_thread(self.worker.apply_outer, avg, reset_local=not overlapped)
+        # Overlapped, the trainer's thread is busy with the next round's steps: the outer step
+        # runs beside them (single-threaded; the worker's lock orders the two).
+        run = asyncio.to_thread if overlapped else self.compute
+        await run(self.worker.apply_outer, avg, reset_local=not overlapped)
         if not overlapped:
             self.round_step = 0
             await self.evaluate_if_due()
@@ -207,7 +212,7 @@ class TrainingLoop:
         every = self.worker.data_cfg.eval_every
         if every and self.worker.round % every == 0 and self.worker.round != self._evaluated:
             self._evaluated = self.worker.round
-            eval_loss = await asyncio.to_thread(self.worker.eval_loss)
+            eval_loss = await self.compute(self.worker.eval_loss)
             self.metrics.eval_loss.set(eval_loss)
             self.status.eval_loss = eval_loss
 
@@ -272,7 +277,7 @@ class TrainingLoop:
                 snap = await StateDownload(self.swarm, self.metrics, self.server.name).run(
                     round, params_hash, donors, [list(s) for s in self.worker.state_shapes()]
                 )
-                ok = await asyncio.to_thread(self._load_verified, snap)
+                ok = await self.compute(self._load_verified, snap)
             except (RuntimeError, ValueError) as e:
                 log.warning("state download failed: %s", e)
                 ok = False

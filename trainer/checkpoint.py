@@ -24,7 +24,7 @@ def save_checkpoint(directory: str, state: dict) -> str:
     return path
 
 
-def _reason(error: Exception) -> str:
+def load_error(error: Exception) -> str:
     """One line saying what broke; torch's weights-only errors are a page of advice
     (including "retry with weights_only=False", exactly what must not be done here)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -47,7 +47,7 @@ def load_checkpoint(directory: str) -> dict | None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"node.checkpoint_dir: cannot load {path}: {_reason(e)}") from e
+        raise ValueError(f"node.checkpoint_dir: cannot load {path}: {load_error(e)}") from e
     if not isinstance(state, dict):
         raise ValueError(f"node.checkpoint_dir: cannot load {path}: not a checkpoint (got {type(state).__name__})")
     return state

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint import LATEST, _reason
+from trainer.checkpoint import LATEST, load_error
 
 # --dtype values and the torch dtype each writes.
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -181,7 +181,7 @@ def _load_pinned(path: str) -> object:
             except FileNotFoundError:
                 continue  # replaced between our open and torch's
             except Exception as e:
-                raise ValueError(f"export: {path}: cannot load: {_reason(e)}") from e
+                raise ValueError(f"export: {path}: cannot load: {load_error(e)}") from e
             try:
                 after = os.stat(path)
             except FileNotFoundError:
