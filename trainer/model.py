@@ -244,7 +244,10 @@ def load_model(cfg: ModelConfig, seed: int) -> LoadedModel:
     if cfg.activation_checkpointing:
         if not getattr(module, "supports_gradient_checkpointing", False):
             raise ValueError(f"model.activation_checkpointing: {type(module).__name__} does not support it")
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(module, "activation_checkpointing_enable"):  # the name since transformers 5.x
+            module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if not isinstance(context, int) or context < 2:

@@ -166,3 +166,29 @@ def test_random_init_has_the_same_bits_on_every_cpu_kind(tmp_path):
         "print(json.dumps(out))\n"
     )
     assert_same_everywhere(hashes_by_capability(script))
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    plain = load_model(ModelConfig(), 3).module
+    checkpointed = load_model(ModelConfig(activation_checkpointing=True), 3).module
+    assert checkpointed.is_activation_checkpointing and not plain.is_activation_checkpointing
+    x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+    for m in (plain, checkpointed):
+        lm_loss(m, x[:, :-1], x[:, 1:]).backward()
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_inner_steps_keep_fp32_parameters():
+    from trainer.config import DataConfig, InnerConfig, OuterConfig
+    from trainer.diloco import DiLoCoWorker
+
+    corpus = torch.frombuffer(bytearray(b"autocast keeps the master weights in fp32. " * 300), dtype=torch.uint8)
+    worker = DiLoCoWorker(model=ModelConfig(), data=DataConfig(batch_size=2, seq_len=32), inner=InnerConfig(precision="bf16"),
+                          outer=OuterConfig(), corpus=corpus, shard_key="p", seed=0)
+    assert worker.precision == "bf16"
+    stats = worker.inner_steps(3)
+    assert stats.steps == 3 and 0 < stats.mean_loss < 6
+    assert all(p.dtype == torch.float32 for p in worker.model.parameters())
+    delta = worker.pseudo_gradient()
+    assert all(d.dtype == torch.float32 and d.abs().sum() > 0 for d in delta[:3])
