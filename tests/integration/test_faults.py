@@ -95,7 +95,7 @@ def test_sigstopped_member_is_left_out_then_resyncs(nodes):
 def test_joiner_survives_a_donor_dying_mid_download(nodes):
     # Small pieces so each of the three donors is asked for some; one dies when asked.
     # Longer rounds, so all three donors announce the same state when the joiner looks.
-    chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "40"]
+    chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "100"]
     swarm = start_swarm(nodes, 3, env_for={2: {"GONKA_TEST_FAULT": "serve@1"}}, extra=chunk)
     for n in swarm:
         n.wait_round(2, timeout=150)
