@@ -232,7 +232,8 @@ class Node:
             lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
                                  shard_key=self.swarm.peer_id, seed=cfg.node.seed, device=device)
         )
-        fingerprint = self.worker.fingerprint(cfg.swarm.codec)
+        # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.
+        fingerprint = await self.compute(self.worker.fingerprint, cfg.swarm.codec)
         if checkpoint is not None and checkpoint.get("fingerprint") not in (None, fingerprint.parts):
             raise UsageError(f"node.checkpoint_dir: holds a checkpoint of another run: "
                              f"{fingerprint.difference(checkpoint['fingerprint'])}")

@@ -62,10 +62,6 @@ class LoadedModel:
     # True for the presets, whose tokens are bytes.
     byte_level: bool
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.module.parameters())
-
 
 def preset_config(name: str):
     from transformers import LlamaConfig
