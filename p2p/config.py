@@ -21,6 +21,18 @@ def _is_multiaddr(text: str) -> bool:
         return False
 
 
+def _is_peer_id(text: str) -> bool:
+    from hivemind.p2p import PeerID
+
+    try:
+        return isinstance(text, str) and 20 <= len(text) <= 128 and PeerID.from_base58(text).to_base58() == text
+    except Exception:
+        return False
+
+
+AGGREGATORS = ("mean", "clip", "centered_clip")
+
+
 @dataclass(kw_only=True, slots=True)
 class SwarmConfig:
     # Multiaddrs of running peers to join through (any live peer will do).
@@ -35,8 +47,9 @@ class SwarmConfig:
     # Enables UPnP port mapping, AutoNAT and circuit relays in libp2p.
     # Off by default: the node only talks to the addresses it is given.
     nat_traversal: bool = False
-    # A round commits only with at least this many members (this peer included);
-    # with fewer, peers keep waiting for the others.
+    # A round commits only with a strict majority of the peers live at that
+    # round (so two groups can never both commit it) and at least this many
+    # members (this peer included); with fewer, peers keep waiting.
     min_peers: int = 1
     # Seconds a ready peer waits for the other live peers to finish their inner
     # steps before the round starts without them.
@@ -56,6 +69,26 @@ class SwarmConfig:
     # Seconds between two announcements of this peer's state in the DHT;
     # a peer silent for 3 intervals is considered gone.
     heartbeat_interval: float = 2.0
+    # ---- trust (DESIGN.md, trust model) ----
+    # Closed swarm: peer ids admitted to the run. With any of allow, allow_file
+    # or authority set, every other peer is kept out of the DHT records,
+    # routing tables, rounds and state of the run.
+    allow: list[str] = field(default_factory=list)
+    # File of admitted peer ids, one per line (# comments); re-read when it changes.
+    allow_file: str = ""
+    # Operator public key (from `gonka-node admit --new-authority`): peers with a
+    # membership certificate it signed for this run and period are admitted.
+    authority: str = ""
+    # This node's membership certificate (`gonka-node admit`), for a swarm with an authority.
+    member_cert: str = ""
+    # How the owner of a part combines the members' pseudo-gradients: mean
+    # (token-weighted), clip (each member's piece clipped to the median norm,
+    # then the weighted mean) or centered_clip (CenteredClip iterations).
+    aggregator: str = "clip"
+    # Seconds a peer that aborted rounds, lied or failed checks is left out.
+    quarantine_seconds: float = 300.0
+    # Streams one peer may have open to this node at once (all protocols).
+    max_streams_per_peer: int = 32
 
     def __post_init__(self) -> None:
         for key in ("bootstrap", "listen", "announce"):
@@ -70,6 +103,19 @@ class SwarmConfig:
         require(self.codec in CODECS, "swarm.codec", f"must be one of {', '.join(CODECS)} (got {self.codec!r})")
         require(64 * 1024 <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
                 f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
-        for key in ("gather_timeout", "round_timeout", "request_timeout", "heartbeat_interval"):
+        require(self.aggregator in AGGREGATORS, "swarm.aggregator",
+                f"must be one of {', '.join(AGGREGATORS)} (got {self.aggregator!r})")
+        require(1 <= self.max_streams_per_peer <= 1024, "swarm.max_streams_per_peer",
+                f"must be between 1 and 1024 (got {self.max_streams_per_peer})")
+        for peer in self.allow:
+            require(_is_peer_id(peer), "swarm.allow", f"not a peer id: {peer!r}")
+        require(not self.member_cert or bool(self.authority), "swarm.member_cert",
+                "needs swarm.authority (the key that signed it)")
+        for key in ("gather_timeout", "round_timeout", "request_timeout", "heartbeat_interval", "quarantine_seconds"):
             value = getattr(self, key)
             require(value > 0, f"swarm.{key}", f"must be > 0 (got {value})")
+
+    @property
+    def closed(self) -> bool:
+        """A closed swarm admits only listed or certified peers."""
+        return bool(self.allow or self.allow_file or self.authority)
