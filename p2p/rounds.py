@@ -3,7 +3,9 @@
 A round on this peer goes: announce ``ready`` for round r in the DHT (and
 tell the peer it expects to lead directly, so the leader need not wait for
 its next DHT poll to see it); wait until every live peer of round r is ready
-(or ``gather_timeout``); the ready peer with the smallest id leads and sends
+(or ``gather_timeout``); once a strict majority of the peers live at round r
+is ready (``quorum.py``: two groups can never both commit a round), the ready
+peer with the smallest id leads and sends
 ``begin`` with the sorted member list to the others; every member must
 accept, else the attempt is cancelled and retried without the silent ones.
 Members then run the butterfly all-reduce of ``group.py`` over libp2p streams
@@ -34,6 +36,7 @@ from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
+from p2p.quorum import accept_group, can_start, live_at, quorum
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import FrameReader, WireError, close_writer, field as hfield, linger, read_frame, reply, write_frame
 
@@ -192,7 +195,10 @@ class RoundProtocol:
         woken = False
         while True:
             # Woken by a peer's hint: the table read a moment ago is fresh enough.
-            peers = self._live(await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0))
+            table = await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0)
+            # Suspected peers stay in the quorum's count while they heartbeat (p2p/quorum.py).
+            live = live_at(table, round, self.swarm.peer_id)
+            peers = self._live(table)
             if any(r.round > round and r.state != "joining" for r in peers.values()):
                 raise _Behind()
             hinted = {p for p, r in self._ready_hints.items() if r == round and p in peers}
@@ -203,7 +209,8 @@ class RoundProtocol:
             leader = ready[0]
             timed_out = time.monotonic() - started > self.gather_timeout
             can_lead = self.swarm.table_fresh or timed_out
-            if leader == self.swarm.peer_id and can_lead and len(ready) >= self.min_peers and (not training or timed_out):
+            enough, short = can_start(ready, live, self.min_peers)
+            if leader == self.swarm.peer_id and can_lead and enough and (not training or timed_out):
                 group = await self._lead(round, ready)
                 if group is not None:
                     if training:
@@ -217,8 +224,9 @@ class RoundProtocol:
                     self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout)
             if time.monotonic() - reported > WAIT_REPORT_SECONDS:
                 reported = time.monotonic()
-                log.info("round %d: still gathering after %.0fs: %d ready, %d training, %d needed, table %s",
-                         round + 1, reported - started, len(ready), len(training), self.min_peers,
+                log.info("round %d: still gathering after %.0fs: %d ready, %d training, %s, table %s",
+                         round + 1, reported - started, len(ready), len(training),
+                         short or f"{quorum(len(live), self.min_peers)} of {len(live)} live needed",
                          "fresh" if self.swarm.table_fresh else "stale")
             if self._waiting.group.done():  # a leader's begin came in while we looked
                 return self._waiting.group.result()
@@ -399,6 +407,11 @@ class RoundProtocol:
             return
         if numel != waiting.flat.numel():
             raise RoundFailed("bad_size")
+        ok, reason = accept_group(members, live_at(self.swarm.peers, round, self.swarm.peer_id), self.min_peers)
+        if not ok:  # a leader with a stale table, or one that lies, cannot make us commit as a minority
+            log.info("round %d: refusing a group of %d from %s: %s", round + 1, len(members), sender[-8:], reason)
+            await reply(writer, {"ok": False, "reason": reason})
+            return
         if header.get("codec") != self.codec.name:
             await reply(writer, {"ok": False, "reason": "codec_mismatch"})
             return
