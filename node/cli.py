@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from node import export_cmd, prepare_cmd
+from node import admit_cmd, export_cmd, prepare_cmd
 from node.config import ConfigError, default_control_path, load_config, to_toml
 
 PROG = "gonka-node"
@@ -117,6 +117,7 @@ def build_parser() -> ArgumentParser:
     commands.add_parser("version", help="print the version", description="Print the version of gonka-node.")
     prepare_cmd.add_parser(commands)
     export_cmd.add_parser(commands)
+    admit_cmd.add_parser(commands)
     return parser
 
 
@@ -279,6 +280,7 @@ COMMANDS = {
     "version": _cmd_version,
     "prepare-data": prepare_cmd.run,
     "export": export_cmd.run,
+    "admit": admit_cmd.run,
 }
 
 

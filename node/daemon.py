@@ -178,6 +178,7 @@ class Node:
         from node.loop import TrainingLoop
         from node.metrics import NodeMetrics
         from p2p.identity import load_or_create_identity
+        from p2p.commits import CommitLog
         from p2p.rounds import RoundProtocol
         from p2p.swarm import Swarm
         from p2p.transfer import StateServer
@@ -233,15 +234,21 @@ class Node:
                                  shard_key=self.swarm.peer_id, seed=cfg.node.seed, device=device)
         )
         # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.
-        fingerprint = await self.compute(self.worker.fingerprint, cfg.swarm.codec)
+        # A member's weight counts at most twice the round-token budget, or (no budget) twice the
+        # members' median weight (p2p/group.py capped_weights).
+        weight_cap = 2.0 * cfg.inner.round_tokens
+        rules = f"agg={cfg.swarm.aggregator},cap={int(weight_cap) if weight_cap else 'relative'}"
+        fingerprint = await self.compute(self.worker.fingerprint, cfg.swarm.codec, rules)
+        genesis = await self.compute(self.worker.params_hash)
         if checkpoint is not None and checkpoint.get("fingerprint") not in (None, fingerprint.parts):
             raise UsageError(f"node.checkpoint_dir: holds a checkpoint of another run: "
                              f"{fingerprint.difference(checkpoint['fingerprint'])}")
         await self.swarm.set_fingerprint(fingerprint)
         log.info("run fingerprint %s (%s)", fingerprint.digest[:16],
                  ", ".join(f"{k}={v}" for k, v in fingerprint.parts.items()))
-        rounds = RoundProtocol(self.swarm, self.metrics)
-        server = StateServer(self.swarm, self.metrics)
+        commits = CommitLog(self.swarm.scope, genesis)
+        rounds = RoundProtocol(self.swarm, self.metrics, commits, weight_cap=weight_cap)
+        server = StateServer(self.swarm, self.metrics, commits)
         self.loop_ = TrainingLoop(worker=self.worker, swarm=self.swarm, rounds=rounds, server=server,
                                   compute=self.compute,
                                   metrics=self.metrics, status=self.status, inner_steps=cfg.inner.steps,
@@ -253,6 +260,9 @@ class Node:
             feedback = rounds.ensure_feedback(numel)
             if feedback is not None and checkpoint.get("feedback") is not None:
                 feedback.load_state_dict(checkpoint["feedback"])
+            if checkpoint.get("commits") is not None:
+                commits.load_state_dict(checkpoint["commits"])
+            commits.hold(self.worker.round, self.worker.params_hash())
             log.info("resumed from %s at round %d (inner step %d)", cfg.node.checkpoint_dir,
                      self.worker.round, self.worker.inner_step)
         self.metrics.round.set(self.worker.round)
@@ -277,7 +287,8 @@ class Node:
                  "fingerprint": self.swarm.fingerprint.parts if self.swarm.fingerprint else None,
                  "model": self.worker.model_info(),
                  "worker": self.worker.state_dict(),
-                 "feedback": feedback.state_dict() if feedback is not None else None}
+                 "feedback": feedback.state_dict() if feedback is not None else None,
+                 "commits": self.loop_.rounds.commits.state_dict()}
         await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - started)

@@ -13,9 +13,11 @@ import threading
 import time
 
 from node.status import Status
+from p2p import hostile
+from p2p.quorum import follow
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
-from p2p.transfer import Snapshot, StateDownload, StateServer, pick_target
+from p2p.transfer import Snapshot, StateDownload, StateServer
 from trainer.diloco import DiLoCoWorker
 
 log = logging.getLogger("gonka.node")
@@ -189,6 +191,7 @@ class TrainingLoop:
         wait for the round boundary."""
         members = len(self.rounds.last.members)
         overlapped = self.overlapped
+        prev_hash = self.status.params_hash
         # Overlapped, the trainer's thread is busy with the next round's steps: the outer step
         # runs beside them (single-threaded; the worker's lock orders the two).
         run = asyncio.to_thread if overlapped else self.compute
@@ -200,6 +203,8 @@ class TrainingLoop:
         self.metrics.round.set(self.worker.round)
         self.status.last_round_members = members
         await self.publish_state()
+        self.rounds.commits.hold(self.worker.round, self.status.params_hash)
+        self.rounds.certify(prev_hash, self.status.params_hash)
         if overlapped:
             self.swarm.announce(state="training")  # training for the next round already
         log.info("committed round=%d hash=%s members=%d group=%s loss=%.4f eval_loss=%.4f allreduce=%.3fs",
@@ -238,7 +243,7 @@ class TrainingLoop:
             return
         deadline = time.monotonic() + max(3 * self.swarm.config.heartbeat_interval, 5.0)
         while time.monotonic() < deadline and not self.stop_requested.is_set():
-            target = pick_target(await self.swarm.refresh_peers())
+            target = follow(await self.swarm.refresh_peers(), self.swarm.peer_id)
             if target is not None:
                 break
             await asyncio.sleep(0.2)
@@ -255,34 +260,43 @@ class TrainingLoop:
             await self.resync("join")
 
     async def check_consistency(self) -> None:
-        """After a commit: if most peers of our round hold other parameters, or the swarm is
-        ahead of us, fetch the majority's state."""
-        mine = (self.worker.round, self.status.params_hash)
-        round, params_hash, _ = pick_target(await self.swarm.refresh_peers(), mine)
-        if (round, params_hash) != mine:
-            await self.resync("diverged" if round == self.worker.round else "behind")
+        """After a commit: if a majority of the other peers holds other parameters of our round,
+        or is ahead of us, fetch their state (``quorum.follow``: never one peer's word)."""
+        target = follow(await self.swarm.refresh_peers(), self.swarm.peer_id)
+        if target is not None and target[:2] != (self.worker.round, self.status.params_hash):
+            if target[0] >= self.worker.round:  # an older majority catches up by itself
+                await self.resync("diverged" if target[0] == self.worker.round else "behind")
 
     async def resync(self, reason: str) -> None:
         """Replace our global state with the swarm's; local progress of this round is dropped."""
+        commits = self.rounds.commits
         for attempt in range(3):
-            target = pick_target(await self.swarm.refresh_peers())
+            target = follow(await self.swarm.refresh_peers(), self.swarm.peer_id)
             if target is None:
-                log.warning("re-sync (%s): no donor available", reason)
+                log.warning("re-sync (%s): no state held by a majority of the other peers", reason)
                 return
             if self.overlapped and await self.round_in_flight(target[0]):
                 continue
             round, params_hash, donors = target
             self.set_state("joining")
+            download = StateDownload(self.swarm, self.metrics, self.server.name)
             try:
-                snap = await StateDownload(self.swarm, self.metrics, self.server.name).run(
-                    round, params_hash, donors, [list(s) for s in self.worker.state_shapes()]
-                )
+                # Before a byte of state: a certificate chain from a state we trust (p2p/commits.py).
+                chain = await download.fetch_chain(round, params_hash, donors, commits)
+            except RuntimeError as e:
+                log.warning("not following round %d (%s): %s", round, params_hash[:12], e)
+                self.metrics.state_downloads.labels(result="uncertified").inc()
+                await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
+                continue
+            try:
+                snap = await download.run(round, params_hash, donors, [list(s) for s in self.worker.state_shapes()])
                 ok = await self.compute(self._load_verified, snap)
             except (RuntimeError, ValueError) as e:
                 log.warning("state download failed: %s", e)
                 ok = False
             self.metrics.state_downloads.labels(result="ok" if ok else "failed").inc()
             if ok:
+                commits.adopt(chain, round, params_hash)
                 self.metrics.resyncs.labels(reason=reason).inc()
                 self.metrics.round.set(self.worker.round)
                 self.round_step = 0
@@ -321,9 +335,14 @@ class TrainingLoop:
 
     # ---- what others see ---------------------------------------------------------------------
 
+    @property
+    def announced_round(self) -> int:
+        """The round this node tells the swarm it holds (a test-only hostile node lies, p2p/hostile.py)."""
+        return self.worker.round + (1000 if hostile.BEHAVIOUR.fake_state else 0)
+
     def set_state(self, state: str) -> None:
         self.status.state = state
-        self.swarm.announce(state=state, round=self.worker.round)
+        self.swarm.announce(state=state, round=self.announced_round)
 
     async def publish_state(self) -> None:
         """After the global state changed: new hash, new snapshot for joiners, new heartbeat."""
@@ -333,8 +352,21 @@ class TrainingLoop:
         self.server.snapshot = await asyncio.to_thread(Snapshot.build, gs["round"], params_hash, gs["params"],
                                                        gs["momentum"], self.swarm.config.state_chunk_bytes)
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
-        self.swarm.announce(round=w.round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
+        self.swarm.announce(round=self.announced_round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
                             rtok=self.round_step * self.tokens_per_step)
+        if hostile.BEHAVIOUR.fake_state:  # test-only: claim a far newer round with a state of our own
+            await asyncio.to_thread(self._serve_fake_state)
+
+    def _serve_fake_state(self) -> None:
+        import torch
+
+        from trainer.diloco import params_digest
+
+        zeros = [torch.zeros(s) for s in self.worker.state_shapes()]
+        fake_hash = params_digest(zeros)
+        self.server.snapshot = Snapshot.build(self.announced_round, fake_hash, zeros, zeros,
+                                              self.swarm.config.state_chunk_bytes)
+        self.swarm.announce(round=self.announced_round, hash=fake_hash)
 
     def record_inner(self, stats, phase_round: int) -> None:
         if stats.steps:

@@ -3,7 +3,9 @@
 Every number an operator would put on a dashboard is defined here, once, with
 its help string: that text is what users read in Prometheus and Grafana. The
 metrics live in a private registry, so several nodes (or tests) in one
-process never share counters.
+process never share counters. Label values come from fixed sets defined here:
+a reason can travel in a peer's message, and a peer must not be able to name
+new time series (``LabelledMetric``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,67 @@ DOWNLOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 600, 1800)
 # Writing a checkpoint (with fsync) to local disk.
 CHECKPOINT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 300)
 
+# Every value the ``reason`` label of rejected_messages, averaging_failures,
+# rounds_aborted and resyncs may take; any other is recorded as OTHER. A reason
+# used in the code must be listed here (tests/unit/test_metrics.py checks).
+REASONS = frozenset({
+    # frames on the wire (p2p/wire.py, p2p/limits.py)
+    "oversized_header", "oversized_payload", "truncated", "timeout", "bad_header", "bad_field",
+    "write_timeout", "handler_timeout", "stream_flood", "connection_lost", "unreachable", "handler_error", "error",
+    # the round protocol and its groups (p2p/rounds.py, p2p/exchange.py, p2p/group.py)
+    "swarm_ahead", "stopping", "member_refused", "digest_mismatch", "unknown_group", "not_a_member",
+    "bad_members", "not_waiting", "bad_size", "codec_mismatch", "aborted_by_peer", "peer_failed", "unknown",
+    "bad_payload", "non_finite", "duplicate_part", "bad_weight", "bad_lane", "bad_average", "bad_vote",
+    # codecs (p2p/codecs.py, p2p/native.py)
+    "non_finite_input", "non_finite_value", "non_finite_scale", "negative_scale", "scale_overflow", "bad_code",
+    "bad_padding",
+    # state transfer (p2p/transfer.py)
+    "not_in_swarm", "no_state", "moved_on", "bad_range", "bad_op", "refused", "bad_state_meta", "bad_state_chunk",
+    # the peer table (p2p/swarm.py)
+    "bad_peer_table", "bad_peer_id", "bad_heartbeat", "bad_heartbeat_state", "bad_heartbeat_round",
+    "bad_heartbeat_hash", "bad_heartbeat_step", "bad_heartbeat_round_tokens", "bad_heartbeat_loss",
+    "bad_heartbeat_maddrs", "bad_heartbeat_fingerprint", "fingerprint_mismatch",
+    # trust: closed swarms, owner-bound records, certificates, bounded influence, quarantine
+    "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "quarantined",
+    "uncertified_state", "no_quorum", "no_certificate", "certificate_without_quorum", "chain_breaks", "hostile",
+    "aborted", "silent_leader",
+    "record_malformed", "record_other_key", "record_plain_value", "record_oversized", "record_unsigned",
+    "record_foreign_key", "record_far_expiry", "record_bad_signature",
+    # why a node re-synced (node/loop.py)
+    "join", "behind", "diverged",
+})
+# What state_downloads{result} may say.
+RESULTS = frozenset({"ok", "failed", "uncertified"})
+OTHER = "other"
+
+
+def reason_label(value: object) -> str:
+    """``value`` if it is one of REASONS, else OTHER: what a peer sent never becomes a label of its own."""
+    return value if isinstance(value, str) and value in REASONS else OTHER
+
+
+class LabelledMetric:
+    """A labelled metric whose label values come from fixed sets, each value outside its
+    set recorded as OTHER. ``labels`` is all callers use; the rest passes through."""
+
+    __slots__ = ("metric", "allowed")
+
+    def __init__(self, kind, name: str, documentation: str, *, registry: CollectorRegistry,
+                 **allowed: frozenset[str]) -> None:
+        """``kind`` (Counter, Gauge) named ``name``, one label per keyword, with its allowed values."""
+        self.metric = kind(name, documentation, list(allowed), registry=registry)
+        self.allowed = allowed
+
+    def labels(self, *values: object, **named: object):
+        if values:
+            assert not named and len(values) == len(self.allowed)
+            named = dict(zip(self.allowed, values))
+        return self.metric.labels(**{label: value if isinstance(value, str) and value in self.allowed[label] else OTHER
+                                     for label, value in named.items()})
+
+    def __getattr__(self, name: str):
+        return getattr(self.metric, name)
+
 
 class NodeMetrics:
     """The node's metrics; the daemon updates the attributes, Prometheus scrapes them."""
@@ -37,11 +100,13 @@ class NodeMetrics:
         # Training progress.
         self.rounds = Counter("gonka_node_rounds_total", "Outer rounds committed by this node.", registry=r)
         self.round = Gauge("gonka_node_round", "Number of the last outer round this node committed.", registry=r)
-        self.rounds_aborted = Counter(
+        self.rounds_aborted = LabelledMetric(
+            Counter,
             "gonka_node_rounds_aborted_total",
-            "Outer rounds abandoned without a commit, by reason; the inner steps are kept for the next round.",
-            ["reason"],
+            "Outer rounds abandoned without a commit, by reason (\"other\": none of the known ones); the inner steps "
+            "are kept for the next round.",
             registry=r,
+            reason=REASONS,
         )
         self.inner_steps = Counter("gonka_node_inner_steps_total", "Local inner optimizer steps taken.", registry=r)
         self.tokens = Counter("gonka_node_tokens_total", "Training tokens processed by this node's inner steps.", registry=r)
@@ -85,22 +150,39 @@ class NodeMetrics:
         self.received_bytes = Counter(
             "gonka_node_received_bytes_total", "Bytes received from other peers: rounds and state downloads.", registry=r
         )
-        self.averaging_failures = Counter(
-            "gonka_node_averaging_failures_total", "All-reduce attempts that failed, by reason.", ["reason"], registry=r
+        self.averaging_failures = LabelledMetric(
+            Counter, "gonka_node_averaging_failures_total", "All-reduce attempts that failed, by reason (\"other\": none of the known ones).",
+            registry=r, reason=REASONS,
         )
-        self.rejected_messages = Counter(
+        self.rejected_messages = LabelledMetric(
+            Counter,
             "gonka_node_rejected_messages_total",
-            "Messages from other peers rejected as invalid, by reason; none of them reached the model.",
-            ["reason"],
+            "Messages from other peers rejected as invalid, by reason (\"other\": none of the known ones); none of "
+            "them reached the model.",
             registry=r,
+            reason=REASONS,
         )
 
-        # Joining, resynchronising and serving state.
-        self.state_downloads = Counter(
-            "gonka_node_state_downloads_total",
-            "Downloads of the training state from another peer, by result.",
-            ["result"],
+        self.quarantined = LabelledMetric(
+            Counter,
+            "gonka_node_quarantined_total",
+            "Peers this node left out of its rounds for swarm.quarantine_seconds, by what they did: a lie "
+            "(bad input, a failed audit, a capped weight) at once, aborts, refusals or a silent lead after "
+            "3 strikes.",
             registry=r,
+            reason=REASONS,
+        )
+        self.quarantined_peers = Gauge("gonka_node_quarantined_peers", "Peers this node keeps out of its rounds now.",
+                                       registry=r)
+
+        # Joining, resynchronising and serving state.
+        self.state_downloads = LabelledMetric(
+            Counter,
+            "gonka_node_state_downloads_total",
+            "Downloads of the training state from another peer, by result (uncertified: no certificate chain "
+            "from a trusted state led to it, nothing downloaded).",
+            registry=r,
+            result=RESULTS,
         )
         self.state_download_seconds = Histogram(
             "gonka_node_state_download_seconds",
@@ -121,11 +203,12 @@ class NodeMetrics:
             "Peers still in their inner steps when this node, leading a round, started it without them.",
             registry=r,
         )
-        self.resyncs = Counter(
+        self.resyncs = LabelledMetric(
+            Counter,
             "gonka_node_resyncs_total",
             "Times this node replaced its state with the swarm's because it had diverged or fallen behind, by reason.",
-            ["reason"],
             registry=r,
+            reason=REASONS,
         )
 
         # Checkpoints.

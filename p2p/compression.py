@@ -3,9 +3,10 @@
 1. A member encodes its (error-compensated) pseudo-gradient once per part of the
    butterfly: ``encode_parts``. What the receivers will decode (``sent``) is
    what error feedback subtracts to keep the residual.
-2. The owner of a part averages the decoded contributions in member order and
-   encodes the average once: ``average_part``. Every member decodes those same
-   bytes, so all end bit-identical.
+2. The owner of a part combines the decoded contributions in member order with
+   the round's aggregator (``p2p/aggregate.py``: the weighted mean or a robust
+   one) and encodes the result once: ``average_part``. Every member decodes
+   those same bytes, so all end bit-identical.
 
 The swarm (``p2p/group.py``) streams each part as *pieces* (``piece_bounds``),
 runs of whole codec blocks encoded one at a time so that averaged pieces can
@@ -13,16 +14,20 @@ travel back while later ones are still arriving. A codec's blocks never
 straddle a piece boundary, so a part encoded piece by piece decodes to exactly
 the values of the part encoded at once: the simulator (``CompressingMember``)
 encodes whole parts and still sees the swarm's numbers, so compressed
-convergence measured in-process is the swarm's.
+convergence measured in-process is the swarm's. ``SwarmAverage`` runs the
+owners' aggregation for the simulator, on the swarm's parts and pieces (a
+robust aggregator's clipping depends on where a piece starts and ends).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from p2p.codecs import Codec, ErrorFeedback, check_vector
+from p2p.aggregate import aggregate
+from p2p.codecs import Codec, ErrorFeedback, check_vector, get_codec
+
+# Values per piece of the swarm's all-reduce: the unit a part owner aggregates, encodes and sends.
+PIECE_ELEMS = 1 << 18
 
 
 def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -51,19 +56,40 @@ def encode_parts(codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]]
     return payloads, sent
 
 
-def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]]) -> bytes:
-    """Token-weighted mean of one part's (or piece's) contributions, in the order given, encoded once.
+def average_part(codec: Codec, contributions: list[tuple[float, torch.Tensor]], aggregator: str = "mean") -> bytes:
+    """One part's (or piece's) contributions, (weight, decoded values) in member order, combined by
+    ``aggregator`` (``p2p.aggregate``) and encoded once.
 
-    Elementwise, so the mean of a piece is that piece of the part's mean. Each product is
-    rounded before it is added (``add_(x, alpha=a)`` fuses the two in torch's vectorized CPU
-    kernels only), so the bytes do not depend on the owner's CPU."""
-    total = math.fsum(w for w, _ in contributions)
-    (w0, first), rest = contributions[0], contributions[1:]
-    acc = torch.mul(first, w0 / total)
-    term = torch.empty_like(acc) if rest else None
-    for w, part in rest:
-        acc.add_(torch.mul(part, w / total, out=term))
-    return codec.encode(acc)
+    The mean is elementwise, so the mean of a piece is that piece of the part's mean; the robust
+    aggregators clip whole pieces, so the swarm and the simulator cut parts into the same pieces.
+    No result depends on the owner's CPU (see ``p2p.aggregate``)."""
+    return codec.encode(aggregate(aggregator, [w for w, _ in contributions], [t for _, t in contributions]))
+
+
+class SwarmAverage:
+    """What the part owners of a swarm round compute, as one function of the members' tensors: the
+    simulator's ``combine`` (``trainer.averaging.InProcessGroup``).
+
+    The flattened vector is cut into one part per member and each part into pieces exactly as the
+    swarm cuts it (``part_bounds``, ``piece_bounds`` with ``codec``'s blocks), and each piece is
+    combined by ``aggregator``; the result is not encoded (a ``CompressingMember`` around the group
+    re-encodes it, as the owners do)."""
+
+    def __init__(self, aggregator: str = "mean", codec: Codec | None = None, piece_elems: int = PIECE_ELEMS) -> None:
+        aggregate(aggregator, [1.0], [torch.zeros(1)])  # an unknown name fails here, not mid-run
+        self.aggregator = aggregator
+        self.codec = codec if codec is not None else get_codec("fp32")
+        self.piece_elems = piece_elems
+
+    def __call__(self, contributions: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor]:
+        like = contributions[0][0]
+        weights = [w for _, w in contributions]
+        flats = [flatten(tensors) for tensors, _ in contributions]
+        out = torch.empty_like(flats[0])
+        for start, end in part_bounds(out.numel(), len(flats)):
+            for s, e in piece_bounds(start, end, self.codec, self.piece_elems):
+                out[s:e] = aggregate(self.aggregator, weights, [f[s:e] for f in flats])
+        return [t.to(ref.dtype) for t, ref in zip(unflatten(out, like, copy=False), like)]
 
 
 def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None,

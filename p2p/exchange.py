@@ -23,7 +23,7 @@ import torch
 
 from p2p import faults
 from p2p.group import Group, RoundFailed
-from p2p.wire import WireError, close_writer, field as hfield, read_frame, reply, write_frame
+from p2p.wire import SMALL_HEADER_BYTES, WireError, close_writer, field as hfield, read_frame, reply, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class PartExchange:
 
     async def run(self, group: Group, deadline: float) -> None:
         """Return once ``group.result`` holds the whole average (every member's part placed)."""
+        group.deadline = deadline
         exchanges = [self._exchange(group, j, lane, deadline)
                      for j in range(len(group.members)) if j != group.index for lane in range(group.lanes(j))]
         own = [self._contribute_own(group), group.all_reduced(deadline)]
@@ -50,8 +51,8 @@ class PartExchange:
         """Stream our pieces of member j's part on ``lane`` to j while j streams them back averaged."""
         _, reader, writer = await self._open_stream(group.members[j], "part")
         try:
-            header = {"g": group.id, "w": group.weight, "nbytes": group.wire_bytes(j), "numel": group.flat.numel(),
-                      "lane": lane}
+            header = {"g": group.id, "w": group.claimed_weight, "nbytes": group.wire_bytes(j),
+                      "numel": group.flat.numel(), "lane": lane}
             self.metrics.sent_bytes.inc(await write_frame(writer, header))
             sending = asyncio.ensure_future(self._send_pieces(group, j, lane, writer))
             receiving = asyncio.ensure_future(self._receive_average(group, j, lane, reader, deadline))
@@ -61,9 +62,11 @@ class PartExchange:
 
     async def _send_pieces(self, group: Group, j: int, lane: int, writer) -> None:
         """Our contribution to part j's pieces of ``lane``, piece by piece (encoded off the event loop)."""
+        loop = asyncio.get_running_loop()
         for k in group.lane_pieces(j, lane):
             payload = await off_loop(group.encode_piece, j, k)
-            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
+            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload,
+                                                          timeout=max(0.1, group.deadline - loop.time())))
         faults.checkpoint("reduce", group.round + 1, len(group.members))
 
     async def _receive_average(self, group: Group, j: int, lane: int, reader, deadline: float) -> None:
@@ -71,26 +74,35 @@ class PartExchange:
         for k in group.lane_pieces(j, lane):
             expected = group.piece_bytes(j, k)
             try:
-                header, payload = await self._read_payload(reader, expected, deadline)
+                # The owner's header declares every member's input (p2p/group.py, 24 bytes each).
+                header, payload = await self._read_payload(reader, expected, deadline,
+                                                           SMALL_HEADER_BYTES + 32 * len(group.members))
             except WireError as e:
                 if e.reason in MALFORMED:  # not for a peer that is merely slow or gone
                     self._reject(e.reason, str(e))
                 raise
-            if header.get("ok") is False:  # j gave up on the round, and says why
-                raise RoundFailed(str(header.get("reason", "peer_failed"))[:40])
+            if header.get("ok") is False:  # j gave up on the round; its words are a detail, not a reason
+                raise RoundFailed("peer_failed", str(header.get("reason"))[:40])
             try:
                 if len(payload) != expected:
                     raise WireError("bad_size", f"averaged piece of {len(payload)} bytes, expected {expected}")
-                await off_loop(group.place_piece, j, k, payload)
+                declared = header.get("in")
+                if not isinstance(declared, bytes):
+                    raise RoundFailed("owner_misreported", "no declaration of the piece's inputs")
+                group.check_declaration(j, k, declared)
+                await off_loop(group.place_piece, j, k, payload, declared)
             except (WireError, RoundFailed) as e:
                 self._reject(e.reason, str(e))
+                group.blame.setdefault(group.members[j], e.reason)
                 raise
         faults.checkpoint("gather", group.round + 1, len(group.members))
 
-    async def _read_payload(self, reader, nbytes: int, deadline: float) -> tuple[dict, bytes]:
+    async def _read_payload(self, reader, nbytes: int, deadline: float,
+                            max_header: int = SMALL_HEADER_BYTES) -> tuple[dict, bytes]:
         """One frame of at most ``nbytes`` payload bytes, within the round's deadline."""
         loop = asyncio.get_running_loop()
-        header, payload = await read_frame(reader, max(0.1, deadline - loop.time()), max_payload=nbytes)
+        header, payload = await read_frame(reader, max(0.1, deadline - loop.time()), max_payload=nbytes,
+                                           max_header=max_header)
         self.metrics.received_bytes.inc(len(payload))
         return header, payload
 
@@ -119,15 +131,20 @@ class PartExchange:
                 raise RoundFailed("bad_size")
             group.add_lane(index, lane, weight)
         except RoundFailed as e:
+            group.blame.setdefault(group.members[index], e.reason)
             group.fail(e.reason)
             raise
+        if group.weight_cap and weight > group.weight_cap and lane == 0:  # counted, not refused: it is capped
+            self._reject("weight_capped", f"{weight:.3g} tokens claimed, {group.weight_cap:.3g} allowed")
+            group.blame.setdefault(group.members[index], "weight_capped")
         deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
         receiving = asyncio.ensure_future(self._receive_pieces(group, index, lane, reader, deadline))
         try:
             async with asyncio.timeout_at(deadline):  # also bounds writes to a requester that stopped reading
                 for k in group.lane_pieces(group.index, lane):
-                    data = await group.reduced_piece(k, deadline)
-                    self.metrics.sent_bytes.inc(await write_frame(writer, {}, data))
+                    data, declared = await group.reduced_piece(k, deadline)
+                    self.metrics.sent_bytes.inc(await write_frame(
+                        writer, {"in": declared}, data, timeout=max(0.1, deadline - asyncio.get_running_loop().time())))
         except (RoundFailed, TimeoutError) as e:
             if receiving.done() and not receiving.cancelled() and receiving.exception() is not None:
                 raise receiving.exception() from None  # the sender's own input failed the round: count it
@@ -144,9 +161,11 @@ class PartExchange:
                 _, payload = await self._read_payload(reader, expected, deadline)
                 if len(payload) != expected:
                     raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {expected}")
-                values = await off_loop(group.decode_piece, k, payload)
+                values = await off_loop(group.decode_piece, k, payload, index)
                 await self._add_piece(group, index, k, values)
         except (WireError, RoundFailed) as e:
+            if e.reason not in ("timeout", "truncated"):  # not for a member that is merely slow or gone
+                group.blame.setdefault(group.members[index], e.reason)
             group.fail(e.reason, str(e))
             raise
 

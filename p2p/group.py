@@ -32,10 +32,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import statistics
+import struct
 from dataclasses import dataclass, field
 
 import torch
 
+from p2p import hostile
 from p2p.codecs import Codec, CodecError, all_finite
 from p2p.compression import average_part, part_bounds, piece_bounds
 
@@ -54,6 +57,15 @@ LANES = 4
 # sync for no clear gain on two shared cores.
 PIECE_ELEMS = 1 << 18
 
+# With no fixed cap on a member's weight (no round-token budget), a weight counts at most this
+# many times the median weight of the group's members: one member among five that claims
+# any number of tokens carries at most 2/6 of the weight.
+RELATIVE_WEIGHT_CAP = 2.0
+
+# One entry of an owner's declaration of the inputs of an averaged piece: the member's
+# weight as received (float64) and the first 16 bytes of the SHA-256 of its encoded piece.
+_DECLARED = struct.Struct("!d16s")
+
 
 class RoundFailed(Exception):
     """The group cannot commit; ``reason`` is a metric label."""
@@ -63,11 +75,28 @@ class RoundFailed(Exception):
         self.reason = reason
 
 
-def piece_digest(data: bytes | bytearray | memoryview) -> bytes:
-    """Hash of one averaged piece as its owner sent it (the encoded bytes).
+def piece_digest(data: bytes | bytearray | memoryview, declared: bytes = b"") -> bytes:
+    """Hash of one averaged piece as its owner sent it (the encoded bytes), and of the owner's
+    declaration of its inputs (``Group.declaration``), so every member votes on both.
 
     SHA-256: with the CPU's SHA instructions it hashes ~1.3 GB/s here, twice blake2b."""
-    return hashlib.sha256(data).digest()
+    h = hashlib.sha256(data)
+    if declared:
+        h.update(declared)
+    return h.digest()
+
+
+def input_hash(payload: bytes | bytearray | memoryview) -> bytes:
+    """What a declaration records of one member's encoded piece."""
+    return hashlib.sha256(payload).digest()[:16]
+
+
+def capped_weights(weights: list[float], cap: float) -> list[float]:
+    """Members' weights as the average counts them: at most ``cap`` (what a round allows), or,
+    with ``cap`` 0, at most RELATIVE_WEIGHT_CAP times their median. One member cannot buy
+    influence by claiming tokens it could not have trained on."""
+    limit = cap if cap > 0 else RELATIVE_WEIGHT_CAP * statistics.median_low(weights)
+    return [min(w, limit) for w in weights]
 
 
 def digest(piece_digests: list[bytes], group_id: bytes) -> bytes:
@@ -96,8 +125,16 @@ class Group:
     # Where ``sent`` goes (shaped like ``flat``): a buffer the caller reuses round after round,
     # or None for a fresh one. Unused by an exact codec, whose receivers decode ``flat`` itself.
     sent: torch.Tensor | None = None
+    # How the owner combines its part's pieces (p2p/aggregate.py) and the cap on a weight (0: relative).
+    aggregator: str = "mean"
+    weight_cap: float = 0.0
     votes: dict[int, bytes] = field(default_factory=dict)
+    nonces: dict[int, bytes] = field(default_factory=dict)  # revealed with the votes: seed the audit
+    audits: set[int] = field(default_factory=set)  # members whose audit came back clean
     failure: RoundFailed | None = None
+    deadline: float = 0.0  # loop time by which the exchange must be over (set when it starts)
+    # Members whose input (or, as owners, whose output) this peer refused: member -> reason.
+    blame: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
@@ -124,9 +161,21 @@ class Group:
         self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
         # piece_digest of every averaged piece of every part, filled as they are placed.
         self._placed: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
+        # What each owner declared of each averaged piece's inputs (for the audit), and the
+        # input hashes of what we sent to each (part, piece).
+        self.declared: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
+        self.sent_hashes: dict[tuple[int, int], bytes] = {}
+        # Per piece of our part: sender index -> input_hash of its encoded piece.
+        self._input_hashes: list[dict[int, bytes]] = [{} for _ in range(own)]
+        self.reduced_declared: list[bytes | None] = [None] * own
         self._reduced_count = 0
         self._changed = asyncio.Event()
         self.add_weight(self.index, self.weight)
+
+    @property
+    def claimed_weight(self) -> float:
+        """The weight we tell the owners (a test-only hostile member claims another, p2p/hostile.py)."""
+        return self.weight if hostile.BEHAVIOUR.weight is None else hostile.BEHAVIOUR.weight
 
     @property
     def leader(self) -> str:
@@ -182,28 +231,111 @@ class Group:
             raise RoundFailed(e.reason) from None
         if self.residual is not None:
             torch.sub(values, decoded, out=self.residual[start:end])
+        self.sent_hashes[index, k] = input_hash(payload)
+        if index == self.index:
+            self._input_hashes[k][self.index] = self.sent_hashes[index, k]
         return payload
 
-    def decode_piece(self, k: int, data: bytes) -> torch.Tensor:
-        """A peer's contribution to piece ``k`` of our part."""
-        return self._decode(self.index, k, data)
+    def contribution(self, index: int, k: int) -> bytes:
+        """Our encoded piece ``k`` of part ``index`` again, for an auditor: the codec is a pure
+        function of the values, so these are the bytes the owner got (nothing else is written)."""
+        start, end = self.pieces[index][k]
+        return self.codec.encode(self.flat[start:end])
+
+    def decode_piece(self, k: int, data: bytes, sender: int | None = None) -> torch.Tensor:
+        """A peer's contribution to piece ``k`` of our part (its hash kept for our declaration)."""
+        values = self._decode(self.index, k, data)
+        if sender is not None:
+            self._input_hashes[k][sender] = input_hash(data)
+        return values
+
+    def effective_weights(self) -> list[float]:
+        """Every member's weight as the average counts it (``capped_weights``)."""
+        return capped_weights([self.weights[i] for i in range(len(self.members))], self.weight_cap)
+
+    def declaration(self, k: int) -> bytes:
+        """What the owner declares of piece ``k``'s inputs: every member's weight and input hash, in
+        member order. It travels with the averaged piece and is part of the vote."""
+        hashes = self._input_hashes[k]
+        return b"".join(_DECLARED.pack(self.weights[i], hashes[i]) for i in range(len(self.members)))
+
+    def check_declaration(self, index: int, k: int, declared: bytes) -> None:
+        """A member's check of an owner's declaration: well formed, and our own entry is what we sent."""
+        if len(declared) != _DECLARED.size * len(self.members):
+            raise RoundFailed("owner_misreported", "declaration of the wrong size")
+        weight, hashed = _DECLARED.unpack_from(declared, _DECLARED.size * self.index)
+        if weight != self.claimed_weight or hashed != self.sent_hashes.get((index, k)):
+            raise RoundFailed("owner_misreported", f"our input to piece {k} of part {index}")
+
+    @staticmethod
+    def parse_declaration(declared: bytes) -> list[tuple[float, bytes]]:
+        return [_DECLARED.unpack_from(declared, o) for o in range(0, len(declared), _DECLARED.size)]
 
     def reduce_piece(self, k: int) -> bytes:
         """Weighted mean of piece ``k`` of our part in member order, encoded once; placed in our result
         as every other member will decode it."""
         inputs = self._inputs[k]
-        try:
-            data = average_part(self.codec, [(self.weights[i], inputs[i]) for i in range(len(self.members))])
-        except CodecError as e:  # an average of finite values that overflowed the codec
-            raise RoundFailed("bad_average", e.reason) from None
-        self.place_piece(self.index, k, data)
+        weights = self.effective_weights()
+        data = self.aggregate([(weights[i], inputs[i]) for i in range(len(self.members))])
+        if hostile.BEHAVIOUR.alter_slice:  # test-only: an owner that returns a finite but wrong average
+            start, end = self.pieces[self.index][k]
+            data = self.codec.encode(self.codec.decode(data, end - start).neg_().mul_(10.0))
+        declared = self.declaration(k)
+        self.place_piece(self.index, k, data, declared)
+        self.reduced_declared[k] = declared
         return data
 
-    def place_piece(self, index: int, k: int, data: bytes) -> None:
-        """Store piece ``k`` of the average of part ``index`` (from its owner, or our own)."""
+    def aggregate(self, contributions: list[tuple[float, torch.Tensor]]) -> bytes:
+        """The owner's combination of one piece's contributions, encoded once."""
+        try:
+            return average_part(self.codec, contributions, self.aggregator)
+        except CodecError as e:  # an average of finite values that overflowed the codec
+            raise RoundFailed("bad_average", e.reason) from None
+
+    def place_piece(self, index: int, k: int, data: bytes, declared: bytes = b"") -> None:
+        """Store piece ``k`` of the average of part ``index`` (from its owner, or our own), with the
+        owner's declaration of its inputs."""
         start, end = self.pieces[index][k]
         self._decode(index, k, data, self.result[start:end])
-        self._placed[index][k] = piece_digest(data)
+        self._placed[index][k] = piece_digest(data, declared)
+        self.declared[index][k] = declared or None
+
+    # ---- audit: a sampled piece of another member's part, recomputed ----------------
+
+    def audit_target(self) -> tuple[int, int] | None:
+        """The (part, piece) this member audits: a piece of the previous member's part, chosen by
+        the nonces every member revealed with its vote (no owner knew them when it sent its
+        pieces). None in a group of one, or if that part is empty."""
+        n = len(self.members)
+        if n < 2:
+            return None
+        owner = (self.index - 1) % n
+        if not self.pieces[owner]:
+            return None
+        seed = hashlib.blake2b(self.id + b"".join(self.nonces[i] for i in range(n)), digest_size=8).digest()
+        return owner, int.from_bytes(seed, "big") % len(self.pieces[owner])
+
+    def audit(self, index: int, k: int, payloads: list[bytes]) -> str | None:
+        """Recompute piece ``k`` of part ``index`` from every member's encoded input and the
+        owner's declared weights; the member index at fault, as text, or None if all is well.
+
+        An input whose hash differs from the declaration (every member checked its own entry and
+        voted on the declaration) is a member lying to us; an average that differs is the owner's."""
+        declared = self.parse_declaration(self.declared[index][k])
+        for i, (payload, (_, hashed)) in enumerate(zip(payloads, declared)):
+            if input_hash(payload) != hashed:
+                return str(i)
+        start, end = self.pieces[index][k]
+        raw = [w for w, _ in declared]
+        weights = capped_weights(raw, self.weight_cap)
+        try:
+            values = [self.codec.decode(p, end - start) for p in payloads]
+        except CodecError:
+            return str(index)  # the owner declared (and averaged) an input that does not decode
+        data = self.aggregate(list(zip(weights, values)))
+        if piece_digest(data, self.declared[index][k]) != self._placed[index][k]:
+            return str(index)
+        return None
 
     def digest(self) -> bytes:
         """The vote: ``digest`` of the whole averaged vector; every piece must have been placed."""
@@ -274,10 +406,11 @@ class Group:
         self._reduced_count += 1
         self._changed.set()
 
-    async def reduced_piece(self, k: int, deadline: float) -> bytes:
-        """The encoded average of piece ``k`` of our part, once every member's piece ``k`` is in."""
+    async def reduced_piece(self, k: int, deadline: float) -> tuple[bytes, bytes]:
+        """The encoded average of piece ``k`` of our part and its declaration, once every member's
+        piece ``k`` is in."""
         await self._wait(lambda: self.reduced[k] is not None, deadline)
-        return self.reduced[k]
+        return self.reduced[k], self.reduced_declared[k]
 
     async def all_reduced(self, deadline: float) -> None:
         """Return once every piece of our part is averaged (and placed in our result)."""
@@ -285,12 +418,22 @@ class Group:
 
     # ---- vote --------------------------------------------------------------------
 
-    def add_vote(self, sender: int, value: bytes) -> None:
-        if not isinstance(value, bytes) or len(value) != 16:
+    def add_vote(self, sender: int, value: bytes, nonce: bytes = b"") -> None:
+        if not isinstance(value, bytes) or len(value) != 16 or not isinstance(nonce, bytes) or len(nonce) != 16:
             raise RoundFailed("bad_vote")
-        self.votes.setdefault(sender, value)
+        if sender not in self.votes:
+            self.votes[sender], self.nonces[sender] = value, nonce
         self._changed.set()
 
     async def agreed(self, deadline: float) -> bool:
         await self._wait(lambda: len(self.votes) == len(self.members), deadline)
         return len(set(self.votes.values())) == 1
+
+    def add_audit(self, sender: int) -> None:
+        """Member ``sender`` audited its piece and found nothing wrong."""
+        self.audits.add(sender)
+        self._changed.set()
+
+    async def audited(self, deadline: float, auditors: set[int]) -> None:
+        """Return once every auditor reported a clean audit (a failed one fails the group)."""
+        await self._wait(lambda: auditors <= self.audits, deadline)

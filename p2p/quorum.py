@@ -49,3 +49,22 @@ def accept_group(members: list[str], live: set[str], min_peers: int) -> tuple[bo
     if len(members) < needed:
         return False, "no_quorum"
     return True, ""
+
+
+def follow(peers: dict, me: str) -> tuple[int, str, list[str]] | None:
+    """The state the swarm agrees on, as (round, params_hash, holders): the one announced by a
+    strict majority of the *other* live peers that hold a state; None if no state has one.
+
+    Never one peer's word where others disagree or stay silent about it: a hostile peer (or a
+    minority of them) announcing a newer round or another hash is outvoted by the rest. In a
+    swarm of two, the majority of the others is the other peer. The state offered must still
+    come with a certificate chain (``commits.verify_chain``) before anyone loads it."""
+    holders = {p: (r.round, r.params_hash) for p, r in peers.items()
+               if p != me and r.state in LIVE_STATES and r.params_hash}
+    counts: dict[tuple[int, str], int] = {}
+    for state in holders.values():
+        counts[state] = counts.get(state, 0) + 1
+    for (rnd, params_hash), n in counts.items():
+        if 2 * n > len(holders):
+            return rnd, params_hash, sorted(p for p, s in holders.items() if s == (rnd, params_hash))
+    return None

@@ -30,15 +30,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p import faults
+from p2p import faults, hostile
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
-from p2p.quorum import accept_group, can_start, live_at, quorum
+from p2p.commits import CommitCertificate, CommitLog
+from p2p.limits import BoundedDict, handler_deadline
+from p2p.quarantine import Quarantine
+from p2p.quorum import accept_group, can_start, follow, live_at, quorum
 from p2p.swarm import Swarm, peer_id_from
-from p2p.wire import FrameReader, WireError, close_writer, field as hfield, linger, read_frame, reply, write_frame
+from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
+                      reply, write_frame)
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +73,21 @@ class _Waiting:
 class RoundProtocol:
     """``average(tensors, weight, round)`` over the swarm; see the module docstring."""
 
-    def __init__(self, swarm: Swarm, metrics) -> None:
+    def __init__(self, swarm: Swarm, metrics, commits: CommitLog | None = None, *, weight_cap: float = 0.0) -> None:
+        """``commits``: this node's chain of commit certificates, which ``certify`` extends (a
+        benchmark that never certifies may leave it out). ``weight_cap``: the most tokens one
+        member's round can weigh (0: relative to the others)."""
         self.swarm = swarm
         self.metrics = metrics
+        self.commits = commits if commits is not None else CommitLog(swarm.scope, genesis="")
+        # Certificates being signed, by group id: the last few committed groups (and signatures
+        # that came in before this node finished its own commit).
+        self._signing: BoundedDict = BoundedDict(8)
+        self._last_group = b""
         cfg = swarm.config
+        self.aggregator = cfg.aggregator
+        self.weight_cap = weight_cap
+        self.quarantine = Quarantine(cfg.quarantine_seconds)
         self.min_peers = cfg.min_peers
         self.gather_timeout = cfg.gather_timeout
         self.deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
@@ -81,13 +96,13 @@ class RoundProtocol:
         self.use_feedback = cfg.error_feedback and self.codec.name != "fp32"
         self.feedback: ErrorFeedback | None = None
         self.request_timeout = cfg.request_timeout
-        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready")}
+        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready", "audit", "sign")}
         self._waiting: _Waiting | None = None
         self._group: Group | None = None
         self._group_set = asyncio.Event()
-        self._suspects: dict[str, float] = {}
+        self._suspects: BoundedDict = BoundedDict(4096)
         # Peers that told us directly they are ready for a round (peer -> round).
-        self._ready_hints: dict[str, int] = {}
+        self._ready_hints: BoundedDict = BoundedDict(4096)
         # Wakes a gather before its next poll: a hint came in, or a group was installed.
         self._wake = asyncio.Event()
         self._hint_tasks: set[asyncio.Task] = set()
@@ -100,10 +115,10 @@ class RoundProtocol:
         if kernels is not None:  # build or load a 4-bit codec's C kernels now, not inside the first round
             await asyncio.to_thread(kernels)
         p2p = self.swarm.p2p
-        await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin))
-        await p2p.add_binary_stream_handler(self._names["part"], self._guard(self._on_part))
-        await p2p.add_binary_stream_handler(self._names["vote"], self._guard(self._on_vote))
-        await p2p.add_binary_stream_handler(self._names["ready"], self._guard(self._on_ready))
+        # A begin lists every member; every other request is a handful of fields.
+        await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin, max_header=None))
+        for name in ("part", "vote", "ready", "audit", "sign"):
+            await p2p.add_binary_stream_handler(self._names[name], self._guard(getattr(self, f"_on_{name}")))
 
     # ---- the averaging interface ---------------------------------------------------
 
@@ -135,6 +150,8 @@ class RoundProtocol:
         # A copy of ~4 bytes per parameter, error feedback's residual added on the way: not on the event loop.
         flat = await off_loop(flatten, tensors, self._buffer("flat", numel),
                               feedback.residual if feedback is not None else None)
+        if hostile.BEHAVIOUR.any:
+            await off_loop(_hostile_input, flat)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future())
@@ -166,14 +183,54 @@ class RoundProtocol:
             return None
         finally:
             self._group = None
+            self._judge(group)
         seconds = time.monotonic() - gathered
         if feedback is not None:  # only a committed round consumes the residual; the old one's buffer is next
             self._buffers["residual"] = feedback.adopt(group.residual)
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds)
+        self._signing[group.id] = _Signing(group.members, round + 1)
+        self._last_group = group.id
         faults.checkpoint("commit", round + 1, len(group.members))
         return unflatten(result, tensors, copy=False)  # the group's result buffer is ours alone now
+
+    # ---- certify: the members sign what the round made ---------------------------------
+
+    def certify(self, prev: str, new: str) -> asyncio.Task:
+        """After the last committed round is applied (``new`` its params_hash): sign its
+        certificate, send the signature to the other members, and add the certificate to
+        ``commits`` once more than half of them signed. Runs in the background."""
+        signing = self._signing.get(self._last_group)
+        if signing is None or signing.cert is not None:
+            return None
+        signer = self.swarm.signer
+        cert = CommitCertificate(self.swarm.scope, signing.round, prev, new, tuple(signing.members))
+        signature = signer.sign(cert.message())
+        cert.add(self.swarm.peer_id, signer.public_key, signature)
+        for peer, public_key, theirs in signing.early:
+            if not cert.add(peer, public_key, theirs):
+                self.swarm.reject("bad_certificate", f"signature of {peer[-8:]}")
+        signing.cert, signing.early = cert, []
+        self._note(cert)
+        header = {"g": self._last_group, "pk": signer.public_key, "sig": signature}
+        others = [p for p in signing.members if p != self.swarm.peer_id]
+
+        async def send():
+            results = await asyncio.gather(*(self._call(p, "sign", header) for p in others), return_exceptions=True)
+            missing = [p[-8:] for p, r in zip(others, results) if isinstance(r, BaseException)]
+            if missing:
+                log.info("round %d certificate: signature not delivered to %s", cert.round, ", ".join(missing))
+
+        task = asyncio.ensure_future(send())
+        self._hint_tasks.add(task)
+        task.add_done_callback(self._hint_tasks.discard)
+        return task
+
+    def _note(self, cert: CommitCertificate) -> None:
+        """Keep a certificate in the chain once it holds (later signatures still add to it)."""
+        if cert.holds() and self.commits.certs.get(cert.round) is not cert:
+            self.commits.add(cert)
 
     # ---- gather: who is in this round ----------------------------------------------
 
@@ -181,15 +238,29 @@ class RoundProtocol:
         self._suspects[peer_id] = time.monotonic() + seconds
 
     def _live(self, peers) -> dict:
+        """The peers this node would group with: neither suspected nor quarantined."""
         now = time.monotonic()
-        self._suspects = {p: t for p, t in self._suspects.items() if t > now}
-        return {p: r for p, r in peers.items() if p not in self._suspects}
+        self._suspects.retain(lambda p, t: t > now)
+        quarantined = self.quarantine.active(now)
+        return {p: r for p, r in peers.items() if p not in self._suspects and p not in quarantined}
+
+    def _offence(self, peer: str, reason: str) -> None:
+        """Record what a peer did (p2p/quarantine.py); count and log a new quarantine."""
+        if peer != self.swarm.peer_id and self.quarantine.offence(peer, reason, time.monotonic()):
+            self.metrics.quarantined.labels(reason=reason).inc()
+            self.metrics.quarantined_peers.set(len(self.quarantine.active(time.monotonic())))
+            log.warning("quarantined peer %s for %.0fs: %s", peer[-8:], self.quarantine.seconds, reason)
+
+    def _judge(self, group: Group) -> None:
+        """After an attempt: the members whose input (or output, as owners) this peer refused."""
+        for peer, reason in group.blame.items():
+            self._offence(peer, reason)
 
     async def _gather(self, round: int, started: float) -> Group:
         leader_wait_limit = self.gather_timeout + 2 * self.request_timeout
         waited_for_leader: dict[str, float] = {}
         reported = started
-        self._ready_hints = {p: r for p, r in self._ready_hints.items() if r >= round}
+        self._ready_hints.retain(lambda p, r: r >= round)
         # Hint at once from the last table read; the fresh read below corrects the guess if needed.
         hinted_to = self._hint_leader(self._live(self.swarm.peers), round, None)
         woken = False
@@ -199,7 +270,8 @@ class RoundProtocol:
             # Suspected peers stay in the quorum's count while they heartbeat (p2p/quorum.py).
             live = live_at(table, round, self.swarm.peer_id)
             peers = self._live(table)
-            if any(r.round > round and r.state != "joining" for r in peers.values()):
+            ahead = follow(table, self.swarm.peer_id)
+            if ahead is not None and ahead[0] > round:  # the swarm (a majority, not one peer) moved on
                 raise _Behind()
             hinted = {p for p, r in self._ready_hints.items() if r == round and p in peers}
             ready = sorted({p for p, r in peers.items() if r.round == round and r.state == "ready"} | hinted
@@ -210,7 +282,9 @@ class RoundProtocol:
             timed_out = time.monotonic() - started > self.gather_timeout
             can_lead = self.swarm.table_fresh or timed_out
             enough, short = can_start(ready, live, self.min_peers)
-            if leader == self.swarm.peer_id and can_lead and enough and (not training or timed_out):
+            if hostile.BEHAVIOUR.silent_leader and leader == self.swarm.peer_id:
+                pass  # test-only: a leader that announces ready and never starts the round
+            elif leader == self.swarm.peer_id and can_lead and enough and (not training or timed_out):
                 group = await self._lead(round, ready)
                 if group is not None:
                     if training:
@@ -222,6 +296,8 @@ class RoundProtocol:
                 if time.monotonic() - first_seen > leader_wait_limit:
                     log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
                     self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout)
+                    self._offence(leader, "silent_leader")
+                    waited_for_leader.pop(leader)
             if time.monotonic() - reported > WAIT_REPORT_SECONDS:
                 reported = time.monotonic()
                 log.info("round %d: still gathering after %.0fs: %d ready, %d training, %s, table %s",
@@ -294,7 +370,7 @@ class RoundProtocol:
         sent = None if self.codec.exact else self._buffer("sent", numel)
         residual = self._buffer("residual", numel) if self.use_feedback else None
         return Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec,
-                     residual, sent)
+                     residual, sent, aggregator=self.aggregator, weight_cap=self.weight_cap)
 
     def _install(self, group: Group) -> None:
         self._group = group
@@ -306,17 +382,57 @@ class RoundProtocol:
     async def _allreduce(self, group: Group) -> torch.Tensor:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadlines.deadline()
+        if hostile.BEHAVIOUR.abort:
+            raise RoundFailed("hostile")  # test-only: a member that aborts every group it joins
         await self.exchange.run(group, deadline)
-        vote = group.digest()
-        group.add_vote(group.index, vote)
-        header = {"g": group.id, "digest": vote}
+        vote, nonce = group.digest(), os.urandom(16)
+        group.add_vote(group.index, vote, nonce)
         others = [p for p in group.members if p != group.me]
-        sends = [asyncio.ensure_future(self._call(p, "vote", header)) for p in others]
-        agreed = asyncio.ensure_future(group.agreed(deadline))
-        await all_or_fail([*sends, agreed], group)
-        if not agreed.result():
+        await self._to_all(group, others, {"g": group.id, "digest": vote, "nonce": nonce},
+                           group.agreed(deadline))
+        if len(set(group.votes.values())) != 1:
             raise RoundFailed("digest_mismatch")
+        await self._audit(group, others, deadline)
         return group.result
+
+    async def _to_all(self, group: Group, others: list[str], header: dict, until) -> None:
+        """Send ``header`` to every other member and wait for ``until`` (all or fail)."""
+        sends = [asyncio.ensure_future(self._call(p, "vote", header)) for p in others]
+        await all_or_fail([*sends, asyncio.ensure_future(until)], group)
+
+    async def _audit(self, group: Group, others: list[str], deadline: float) -> None:
+        """Recompute one sampled piece of the previous member's part from every member's input
+        (``Group.audit``), tell the others it is clean, and wait until every auditor said so.
+        A lying owner (or a member lying to us about its input) fails the round here, before
+        anyone applies it."""
+        target = group.audit_target()
+        if target is None:
+            return
+        index, k = target
+        start, end = group.pieces[index][k]
+        expected = self.codec.wire_bytes(end - start)
+
+        async def fetch(i: int) -> bytes:
+            if i == group.index:
+                return await off_loop(group.contribution, index, k)
+            reply_header, payload = await self._call(group.members[i], "audit", {"g": group.id, "j": index, "k": k},
+                                                     max_payload=expected)
+            if len(payload) != expected:
+                group.blame.setdefault(group.members[i], "audit_failed")
+                raise RoundFailed("audit_failed", f"{group.members[i][-8:]} sent no input")
+            return payload
+
+        payloads = await asyncio.gather(*(fetch(i) for i in range(len(group.members))))
+        culprit = await off_loop(group.audit, index, k, payloads)
+        if culprit is not None:
+            peer = group.members[int(culprit)]
+            group.blame.setdefault(peer, "audit_failed")
+            self.swarm.reject("audit_failed", f"piece {k} of {group.members[index][-8:]}'s part, by {peer[-8:]}")
+            raise RoundFailed("audit_failed", f"{peer[-8:]}")
+        group.add_audit(group.index)
+        n = len(group.members)
+        auditors = {i for i in range(n) if group.pieces[(i - 1) % n]}
+        await self._to_all(group, others, {"g": group.id, "audited": True}, group.audited(deadline, auditors))
 
     async def _broadcast_abort(self, group: Group, reason: str) -> None:
         others = [p for p in group.members if p != group.me]
@@ -336,25 +452,37 @@ class RoundProtocol:
         except Exception as e:
             raise RoundFailed("unreachable", f"{peer[-8:]}: {e!r}"[:200]) from None
 
-    async def _call(self, peer: str, name: str, header: dict, timeout: float | None = None):
+    async def _call(self, peer: str, name: str, header: dict, timeout: float | None = None, max_payload: int = 0):
         _, reader, writer = await self._open(peer, name)
         try:
             self.metrics.sent_bytes.inc(await write_frame(writer, header))
-            return await read_frame(reader, timeout or self.request_timeout)
+            return await read_frame(reader, timeout or self.request_timeout, max_payload=max_payload)
         finally:
             await close_writer(writer)
 
     # ---- requests in -------------------------------------------------------------------
 
-    def _guard(self, handler):
-        """Wrap a stream handler: count and drop anything malformed, always close the stream."""
+    def _guard(self, handler, max_header: int | None = SMALL_HEADER_BYTES):
+        """Wrap a stream handler: only admitted peers, a bounded number of streams per peer, one
+        deadline for the whole exchange; count and drop anything malformed, always close the stream."""
+        # The longest any handler may take: a part stream lives for the round's all-reduce.
+        limit = self.deadlines.ceiling + 3 * self.request_timeout
 
         async def run(info, reader, writer):
+            sender = info.peer_id.to_base58()
+            if not self.swarm.streams.acquire(sender):
+                self.swarm.reject("stream_flood", sender[-8:])
+                await close_writer(writer)
+                return
             try:
-                reader = FrameReader.attach(reader, writer)
-                header, _ = await read_frame(reader, self.request_timeout)
-                await handler(info.peer_id.to_base58(), header, reader, writer)
-                await linger(reader, self.request_timeout)
+                if not await self.swarm.admits(sender):
+                    return  # counted as not_admitted
+                async with handler_deadline(limit):
+                    reader = FrameReader.attach(reader, writer)
+                    header, _ = await read_frame(reader, self.request_timeout, max_payload=0,
+                                                 **({} if max_header is None else {"max_header": max_header}))
+                    await handler(sender, header, reader, writer)
+                    await linger(reader, self.request_timeout)
             except WireError as e:
                 self.swarm.reject(e.reason, str(e))
             except RoundFailed as e:
@@ -368,6 +496,7 @@ class RoundProtocol:
                 log.exception("handler failed")
                 self.swarm.reject("handler_error", repr(e))
             finally:
+                self.swarm.streams.release(sender)
                 await close_writer(writer)
 
         return run
@@ -402,6 +531,9 @@ class RoundProtocol:
             raise WireError("bad_members")
         if sender != members[0] or self.swarm.peer_id not in members:
             raise RoundFailed("not_a_member")
+        if self.quarantine.quarantined(sender, time.monotonic()):
+            await reply(writer, {"ok": False, "reason": "quarantined"})
+            return
         if waiting is None or waiting.round != round or waiting.group.done():
             await reply(writer, {"ok": False, "reason": "not_waiting"})
             return
@@ -426,21 +558,70 @@ class RoundProtocol:
 
     async def _on_ready(self, sender: str, header: dict, reader, writer) -> None:
         round = hfield(header, "r", int)
+        # One hint per peer (its latest), at most 4096 peers; only for the round we wait in.
         if round >= 0 and (self._waiting is None or round >= self._waiting.round):
             self._ready_hints[sender] = round
-            if len(self._ready_hints) > 4096:  # bounded, whoever sends hints
-                self._ready_hints.pop(next(iter(self._ready_hints)))
             self._wake.set()
         await reply(writer, {"ok": True})
 
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
         group, index = await self._group_for(sender, header)
         if "abort" in header:
+            if group.failure is None:  # the first to give up: a strike if it keeps doing so
+                group.blame.setdefault(sender, "aborted")
             group.fail("aborted_by_peer", str(header["abort"])[:40])
+        elif "audited" in header:
+            group.add_audit(index)
         else:
-            group.add_vote(index, hfield(header, "digest", bytes))
+            group.add_vote(index, hfield(header, "digest", bytes), hfield(header, "nonce", bytes))
         await reply(writer, {"ok": True})
+
+    async def _on_sign(self, sender: str, header: dict, reader, writer) -> None:
+        """A member's signature on the certificate of a round we committed together."""
+        signing = self._signing.get(hfield(header, "g", bytes))
+        if signing is None:
+            await reply(writer, {"ok": False, "reason": "unknown_group"})
+            return
+        if sender not in signing.members:
+            raise RoundFailed("not_a_member")
+        public_key, signature = hfield(header, "pk", bytes), hfield(header, "sig", bytes)
+        if signing.cert is None:  # we have not applied the round yet: check it once we have
+            if len(signing.early) < len(signing.members):
+                signing.early.append((sender, public_key, signature))
+        elif signing.cert.add(sender, public_key, signature):
+            self._note(signing.cert)
+        else:
+            self.swarm.reject("bad_certificate", f"signature of {sender[-8:]}")
+        await reply(writer, {"ok": True})
+
+    async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:
+        """An auditor asks for our input to one piece of one part (re-encoded: the same bytes)."""
+        group, _ = await self._group_for(sender, header)
+        j, k = hfield(header, "j", int), hfield(header, "k", int)
+        if not (0 <= j < len(group.members) and 0 <= k < len(group.pieces[j])):
+            raise WireError("bad_field", "audit piece")
+        payload = await off_loop(group.contribution, j, k)
+        self.metrics.sent_bytes.inc(await write_frame(writer, {"ok": True}, payload))
 
 
 class _Behind(Exception):
     pass
+
+
+@dataclass(eq=False)
+class _Signing:
+    """The certificate of one committed group, while its members' signatures come in."""
+
+    members: list[str]
+    round: int
+    cert: CommitCertificate | None = None
+    early: list = field(default_factory=list)  # (member, public key, signature) before our own commit
+
+
+def _hostile_input(flat: torch.Tensor) -> None:
+    """Test-only (p2p/hostile.py): what a member that lies about its pseudo-gradient sends."""
+    b = hostile.BEHAVIOUR
+    if b.scale is not None:
+        flat.mul_(b.scale)
+    if b.fill is not None:
+        flat.fill_(b.fill)

@@ -8,7 +8,14 @@ Every peer announces itself under one DHT key per run (``gonka:<run>:peers``),
 one subkey per peer id, refreshed every ``heartbeat_interval`` and expiring
 after three intervals. That table is how peers count each other, find donors,
 and compare ``params_hash`` after a round. Entries come from other peers and
-are validated like any other message.
+are validated like any other message; ``p2p/records.py`` makes the DHT accept
+an entry only when its owner signed it with its libp2p key.
+
+A closed swarm (``p2p/membership.py``) keeps outsiders out of the DHT: their
+ping, store and find calls are refused, they never enter the routing table,
+and their entries are refused. Every node serves its membership certificate
+on ``gonka.<run>.member`` so a member that does not know a caller yet can ask
+for it. ``Swarm.admits`` is the one check every request handler makes.
 """
 
 from __future__ import annotations
@@ -17,22 +24,35 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import get_dht_time
 from hivemind.p2p import P2P, PeerID
 
 from p2p.config import SwarmConfig
+from p2p.limits import StreamLimits
+from p2p.identity import generate_identity
+from p2p.membership import Membership
+from p2p.records import RecordSigner, RunRecordValidator, max_ttl, peer_table_key
+from p2p.wire import close_writer, linger, read_frame, write_frame
+from trainer.files import atomic_write
 from trainer.fingerprint import Fingerprint, parse_parts
 
 log = logging.getLogger(__name__)
 
 STATES = ("joining", "training", "ready", "averaging", "stopped")
 _PR_SET_PDEATHSIG = 1
+# Certificate look-ups of callers we do not know yet (closed swarm with an authority).
+CERT_FETCH_SECONDS = 5.0  # at most, for one look-up
+CERT_RETRY_SECONDS = 5.0  # a peer that had no good certificate is not asked again before this
+MAX_CERT_FETCHES = 64  # look-ups in flight at once
+_MAX_TRACKED = 4096  # entries of the per-peer dicts below
 
 
 def _die_with_parent() -> None:
@@ -54,6 +74,29 @@ def _children_die_with_us():
         yield
     finally:
         asyncio.subprocess.create_subprocess_exec = original
+
+
+class _SwarmP2P(P2P):
+    """hivemind's P2P whose DHT RPC handlers first ask ``gate(caller's peer id)``.
+
+    hivemind registers its DHT handlers (``DHTProtocol.rpc_ping/store/find``) inside
+    ``DHTNode.create``; gating them here means an outsider is refused from the first
+    request on, before the handler parses, stores or answers anything."""
+
+    gate: Callable[[str], Awaitable[bool]] | None = None
+
+    async def add_protobuf_handler(self, name, handler, input_protobuf_type, **kwargs) -> None:
+        if name.startswith("DHTProtocol."):
+            handler = self._gated(handler)
+        await super().add_protobuf_handler(name, handler, input_protobuf_type, **kwargs)
+
+    def _gated(self, handler):
+        async def gated(request, context):
+            if self.gate is not None and not await self.gate(context.remote_id.to_base58()):
+                raise PermissionError("not admitted to this swarm")
+            return await handler(request, context)
+
+        return gated
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,7 +163,8 @@ def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
 class Swarm:
     """libp2p + DHT membership of one run. Create with ``await Swarm.start(...)``."""
 
-    def __init__(self, config: SwarmConfig, run_id: str, p2p: P2P, dht: DHTNode, on_reject: Callable[[str], None]):
+    def __init__(self, config: SwarmConfig, run_id: str, p2p: P2P, dht: DHTNode | None,
+                 on_reject: Callable[[str], None], *, membership: Membership):
         self.config = config
         self.run_id = run_id
         self.p2p = p2p
@@ -128,7 +172,16 @@ class Swarm:
         self.peer_id = p2p.peer_id.to_base58()
         self.maddrs: list[str] = []
         self._on_reject = on_reject
-        self._key = f"gonka:{run_id}:peers"
+        self._key = peer_table_key(run_id)
+        # Who may take part (open swarm: everyone); see admits().
+        self.membership = membership
+        self._member_name = f"gonka.{run_id}.member"
+        self._cert_fetches: dict[str, asyncio.Task] = {}
+        self._no_cert: dict[str, float] = {}  # peer -> when a look-up found no good certificate
+        # This node's libp2p key (the one p2pd uses): signs heartbeats and whatever else it vouches for.
+        self.signer: RecordSigner | None = None
+        # Streams each peer has open to us, over every protocol (p2p/limits.py).
+        self.streams = StreamLimits(config.max_streams_per_peer)
         self._me: dict[str, Any] = {"state": "joining", "round": 0, "hash": "", "step": 0, "loss": None, "rtok": 0}
         self._peers: dict[str, PeerRecord] = {}
         self._peers_at = 0.0
@@ -150,14 +203,57 @@ class Swarm:
         fingerprint: Fingerprint | None = None, announce: bool = True,
     ) -> "Swarm":
         """Start p2pd and the DHT. With ``announce=False`` the node stays out of the peer table
-        until ``set_fingerprint`` (a node still loading its model knows no fingerprint yet)."""
+        until ``set_fingerprint`` (a node still loading its model knows no fingerprint yet).
+
+        Without ``identity_path`` the node gets an ephemeral key: heartbeats are signed with
+        the key p2pd uses, so the node needs the key file either way. It is written (0600) to
+        a private temporary directory, removed as soon as p2pd has read it. A closed swarm's
+        settings that are unusable (allow-file, authority, this node's certificate) raise
+        ValueError naming them."""
+        identity_dir = None
+        try:
+            if identity_path is None:
+                identity_dir = tempfile.TemporaryDirectory(prefix="gonka-identity-")  # mode 0700
+                identity_path = os.path.join(identity_dir.name, "identity.key")
+                key = generate_identity()
+                atomic_write(identity_path, lambda f: f.write(key), overwrite=False)  # 0600
+            signer = _signer(identity_path)
+            membership = Membership.load(config, run_id, signer.peer_id, time.time())
+            self = await cls._start_p2p(config, run_id, identity_path, on_reject, membership,
+                                        check_identity=identity_dir is None)
+        finally:
+            if identity_dir is not None:
+                identity_dir.cleanup()
+        self.signer = signer
+        try:
+            await self._start_dht(signer)
+        except BaseException:
+            await self.p2p.shutdown()
+            raise
+        for addr in config.bootstrap:
+            if "/p2p/" in addr:
+                self._remember(addr.rsplit("/p2p/", 1)[-1])
+        self.maddrs = [str(a) for a in await self.p2p.get_visible_maddrs()]
+        self.fingerprint = fingerprint
+        if membership.closed and not membership.own_cert and not config.allow and not config.allow_file:
+            log.warning("closed swarm: this node has no membership certificate (--member-cert); "
+                        "peers that do not list it will refuse it")
+        if announce:
+            await self._start_heartbeats()
+        return self
+
+    @classmethod
+    async def _start_p2p(cls, config: SwarmConfig, run_id: str, identity_path: str, on_reject,
+                         membership: Membership, *, check_identity: bool) -> "Swarm":
         nat = config.nat_traversal
         with _children_die_with_us():
-            p2p = await P2P.create(
+            p2p = await _SwarmP2P.create(
                 initial_peers=config.bootstrap or None,
                 host_maddrs=config.listen,
                 announce_maddrs=config.announce or None,
                 identity_path=identity_path,
+                # A fresh ephemeral key is nobody else's: skip hivemind's probe for a duplicate.
+                check_if_identity_free=check_identity,
                 # DESIGN.md network rules: no UPnP, AutoNAT, relays or IPFS unless asked for.
                 nat_port_map=nat,
                 auto_nat=nat,
@@ -166,31 +262,55 @@ class Swarm:
                 use_ipfs=False,
                 startup_timeout=config.request_timeout,
             )
-        try:
-            async with asyncio.timeout(config.request_timeout * 2):
-                dht = await DHTNode.create(
-                    p2p=p2p,
-                    initial_peers=config.bootstrap or None,
-                    # One silent DHT peer must not use up a whole lookup's budget.
-                    wait_timeout=min(3.0, config.request_timeout / 2),
-                    bootstrap_timeout=config.request_timeout,
-                    cache_locally=False,
-                    # hivemind bans a peer that missed a reply, doubling the ban each time; a node
-                    # that was paused (SIGSTOP) then sees every peer banned and cannot read the table.
-                    blacklist_time=0,
-                )
-        except BaseException:
-            await p2p.shutdown()
-            raise
-        self = cls(config, run_id, p2p, dht, on_reject)
-        for addr in config.bootstrap:
-            if "/p2p/" in addr:
-                self._remember(addr.rsplit("/p2p/", 1)[-1])
-        self.maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
-        self.fingerprint = fingerprint
-        if announce:
-            await self._start_heartbeats()
-        return self
+        return cls(config, run_id, p2p, None, on_reject, membership=membership)
+
+    async def _start_dht(self, signer: RecordSigner) -> None:
+        config = self.config
+        # Before the DHT: a member we bootstrap through asks for our certificate first.
+        await self.p2p.add_binary_stream_handler(self._member_name, self._serve_cert)
+        if self.membership.closed:
+            self.p2p.gate = self.admits
+        validator = RunRecordValidator(self.run_id, signer, self.membership, max_ttl(config.heartbeat_interval),
+                                       on_reject=self.reject)
+        async with asyncio.timeout(config.request_timeout * 2):
+            self.dht = await _create_dht(
+                p2p=self.p2p,
+                initial_peers=config.bootstrap or None,
+                # One silent DHT peer must not use up a whole lookup's budget.
+                wait_timeout=min(3.0, config.request_timeout / 2),
+                bootstrap_timeout=config.request_timeout,
+                cache_locally=False,
+                # hivemind bans a peer that missed a reply, doubling the ban each time; a node
+                # that was paused (SIGSTOP) then sees every peer banned and cannot read the table.
+                blacklist_time=0,
+                record_validator=validator,
+            )
+        if self.membership.closed:
+            await self._gate_routing_table()
+
+    async def _gate_routing_table(self) -> None:
+        """Never keep a peer that is not admitted in the DHT routing table (the peers this node
+        tells others about, and stores records on). hivemind updates the table on every
+        request in and out through ``protocol.update_routing_table``; this wraps it."""
+        protocol = self.dht.protocol
+        table = protocol.routing_table
+        update = protocol.update_routing_table
+
+        async def update_routing_table(node_id, peer_id: PeerID, responded: bool = True):
+            if responded and not await self.admits(peer_id.to_base58(), count=False):
+                node_id = node_id if node_id is not None else table.get(peer_id=peer_id)
+                if node_id is not None and node_id in table:
+                    del table[node_id]
+                return
+            await update(node_id, peer_id, responded=responded)
+
+        protocol.update_routing_table = update_routing_table
+        # Whatever the bootstrap added before the wrapper was in place.
+        entries = list(table.uid_to_peer_id.items())
+        verdicts = await asyncio.gather(*(self.admits(p.to_base58(), count=False) for _, p in entries))
+        for (node_id, _), admitted in zip(entries, verdicts):
+            if not admitted and node_id in table:
+                del table[node_id]
 
     async def set_fingerprint(self, fingerprint: Fingerprint) -> None:
         """Say what this node trains and start announcing it."""
@@ -286,6 +406,8 @@ class Swarm:
     async def close(self) -> None:
         """Leave and shut down DHT and p2pd; collects errors rather than stopping at the first."""
         errors = []
+        for task in list(self._cert_fetches.values()):
+            task.cancel()
         for step in (self.leave, self.dht.shutdown, self.p2p.shutdown):
             try:
                 async with asyncio.timeout(self.config.request_timeout):
@@ -294,6 +416,76 @@ class Swarm:
                 errors.append(e)
         if errors:
             log.warning("swarm shutdown: %s", "; ".join(repr(e) for e in errors))
+
+    # ---- who may take part --------------------------------------------------------
+
+    async def admits(self, peer_id: str, *, count: bool = True) -> bool:
+        """Whether ``peer_id`` may take part in this run: the check every handler of a peer's
+        request makes first (with the authenticated remote peer id). Always True in an open
+        swarm. In a closed one with an authority, a caller whose certificate this node has
+        not seen yet is asked for it (one look-up at a time per peer, bounded in time; a
+        failed one is not retried for a few seconds). A refusal is counted as
+        ``not_admitted`` unless ``count`` is False."""
+        membership = self.membership
+        if not membership.closed:
+            return True
+        admitted, why = membership.admits(peer_id, time.time())
+        if not admitted and membership.authority is not None:
+            await self._fetch_cert(peer_id)
+            admitted, why = membership.admits(peer_id, time.time())
+        if not admitted and count:
+            self.reject("not_admitted", f"{peer_id}: {why}")
+        return admitted
+
+    def admitted(self, peer_id: str) -> bool:
+        """``admits`` without a look-up and uncounted: what this node knows now. For pure checks
+        that take a ``Callable[[str], bool]`` (e.g. who may sign a commit certificate)."""
+        return self.membership.admits(peer_id, time.time())[0]
+
+    async def _fetch_cert(self, peer_id: str) -> None:
+        failed_at = self._no_cert.get(peer_id)
+        if failed_at is not None and time.monotonic() - failed_at < CERT_RETRY_SECONDS:
+            return
+        task = self._cert_fetches.get(peer_id)
+        if task is None:
+            if len(self._cert_fetches) >= MAX_CERT_FETCHES:
+                return
+            task = self._cert_fetches[peer_id] = asyncio.create_task(self._ask_cert(peer_id), name="member-cert")
+            task.add_done_callback(lambda _: self._cert_fetches.pop(peer_id, None))
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)  # a caller that gives up does not cancel the others' look-up
+
+    async def _ask_cert(self, peer_id: str) -> None:
+        timeout = min(CERT_FETCH_SECONDS, self.config.request_timeout)
+        why = ""
+        try:
+            async with asyncio.timeout(timeout):
+                _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id_from(peer_id),
+                                                                               self._member_name)
+                try:
+                    header, _ = await read_frame(reader, timeout, max_payload=0)
+                finally:
+                    await close_writer(writer)
+            cert = header.get("cert")
+            why = self.membership.learn_cert(cert, time.time()) if isinstance(cert, bytes) and cert else "none"
+        except Exception as e:  # unreachable, timed out, garbage: no certificate
+            why = f"no answer ({type(e).__name__})"
+        if why:
+            log.debug("no membership certificate from %s: %s", peer_id, why)
+            self._no_cert.pop(peer_id, None)
+            self._no_cert[peer_id] = time.monotonic()
+            while len(self._no_cert) > _MAX_TRACKED:
+                del self._no_cert[next(iter(self._no_cert))]
+
+    async def _serve_cert(self, info, reader, writer) -> None:
+        """``gonka.<run>.member``: answer with this node's certificate (empty without one)."""
+        try:
+            await write_frame(writer, {"cert": self.membership.own_cert})
+            await linger(reader, min(CERT_FETCH_SECONDS, self.config.request_timeout))
+        except Exception:  # a requester that went away is no error
+            pass
+        finally:
+            await close_writer(writer)
 
     # ---- what the swarm looks like ----------------------------------------------
 
@@ -328,6 +520,10 @@ class Swarm:
                 record = parse_peer_record(subkey, getattr(item, "value", None))
             except ValueError as e:
                 self.reject(str(e))
+                continue
+            admitted, why = self.membership.admits(record.peer_id, time.time())
+            if not admitted:  # e.g. dropped from the allow-file since its entry was stored
+                self.reject("not_admitted", f"{record.peer_id}: {why}")
                 continue
             if self._refused(record):
                 continue
@@ -367,3 +563,22 @@ class Swarm:
 
 def peer_id_from(text: str) -> PeerID:
     return PeerID.from_base58(text)
+
+
+async def _create_dht(**kwargs) -> DHTNode:
+    try:
+        return await DHTNode.create(**kwargs)
+    except RuntimeError as e:
+        if "bootstrap failed" not in str(e):
+            raise
+        raise RuntimeError("none of the bootstrap peers answered (a closed swarm refuses peers it has not "
+                           "admitted: ask its operator for a certificate or a place on its allow-list)") from None
+
+
+def _signer(identity_path: str) -> RecordSigner:
+    """The heartbeat signer of the key p2pd will use; ValueError naming node.identity if unusable."""
+    try:
+        with open(identity_path, "rb") as f:
+            return RecordSigner.from_identity(f.read(64 * 1024))
+    except Exception as e:  # unreadable, not protobuf, not an RSA key
+        raise ValueError(f"node.identity: {identity_path}: not a usable libp2p key ({e})") from None

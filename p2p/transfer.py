@@ -2,11 +2,14 @@
 
 The state is one blob: the global parameters then the outer momentum, fp32,
 in model order, plus the round number. Every donor serves the snapshot of its
-last committed round: ``meta`` (round, params_hash, size, digest, shapes) and
-byte ranges of the blob. A receiver picks the (round, params_hash) most live
-peers agree on, downloads chunks from all donors holding it in parallel,
-hands a dead donor's chunks to the others, and verifies the blob digest
-before anyone loads it (the caller then checks ``params_hash`` too).
+last committed round: ``meta`` (round, params_hash, size, digest, shapes),
+byte ranges of the blob, and ``certs``, its chain of commit certificates
+(``commits.py``). A receiver follows only the (round, params_hash) a majority
+of the other live peers announce (``quorum.follow``), and only with a chain
+of certificates from a state it trusts (``fetch_chain``); it downloads chunks
+from all donors holding it in parallel, hands a dead donor's chunks to the
+others, and verifies the blob digest before anyone loads it (the caller then
+checks ``params_hash`` too).
 
 Serving is cheap for the donor: the snapshot is built once per round, and
 requests only slice it, so a joiner never stalls the donor's own averaging.
@@ -24,8 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from p2p import faults
-from p2p.swarm import PeerRecord, Swarm, peer_id_from
-from p2p.wire import MAX_PAYLOAD_BYTES, WireError, close_writer, field as hfield, linger, read_frame, write_frame
+from p2p.commits import CommitCertificate, CommitLog, decode_certs, encode_certs, verify_chain
+from p2p.swarm import Swarm, peer_id_from
+from p2p.limits import handler_deadline
+from p2p.wire import (MAX_PAYLOAD_BYTES, SMALL_HEADER_BYTES, WireError, close_writer, field as hfield, linger,
+                      read_frame, write_frame)
 
 log = logging.getLogger(__name__)
 
@@ -64,28 +70,13 @@ class Snapshot:
         return {"round": self.round, "params": tensors[:half], "momentum": tensors[half:]}
 
 
-def pick_target(peers: dict[str, PeerRecord], mine: tuple[int, str] | None = None
-                ) -> tuple[int, str, list[str]] | None:
-    """The swarm's state: the (round, params_hash) held by most peers at the newest round
-    (``mine`` votes too; ties go to the smaller hash, so every peer picks the same), and
-    the other peers that hold it. None if nobody holds any state yet."""
-    holders = [(r.round, r.params_hash, r.peer_id) for r in peers.values() if r.state != "joining" and r.params_hash]
-    votes = Counter((rnd, h) for rnd, h, _ in holders)
-    if mine is not None:
-        votes[mine] += 1
-    if not votes:
-        return None
-    newest = max(rnd for rnd, _ in votes)
-    _, params_hash = min((-n, h) for (rnd, h), n in votes.items() if rnd == newest)
-    return newest, params_hash, sorted(p for rnd, h, p in holders if (rnd, h) == (newest, params_hash))
-
-
 class StateServer:
     """Serves the latest snapshot to peers that ask for it."""
 
-    def __init__(self, swarm: Swarm, metrics) -> None:
+    def __init__(self, swarm: Swarm, metrics, commits: CommitLog) -> None:
         self.swarm = swarm
         self.metrics = metrics
+        self.commits = commits
         self.snapshot: Snapshot | None = None
         self.name = f"gonka.{swarm.scope}.state"
 
@@ -93,35 +84,16 @@ class StateServer:
         await self.swarm.p2p.add_binary_stream_handler(self.name, self._handle)
 
     async def _handle(self, info, reader, writer) -> None:
+        requester = info.peer_id.to_base58()
+        if not self.swarm.streams.acquire(requester):
+            self.swarm.reject("stream_flood", requester[-8:])
+            await close_writer(writer)
+            return
         try:
-            header, _ = await read_frame(reader, self.swarm.config.request_timeout)
-            snap = self.snapshot
-            op = hfield(header, "op", str)
-            requester = info.peer_id.to_base58()
-            # Only peers that announced themselves in this run's peer table get the state.
-            if requester not in self.swarm.peers and requester not in await self.swarm.refresh_peers():
-                self.swarm.reject("not_in_swarm", requester[-8:])
-                await write_frame(writer, {"ok": False, "reason": "not_in_swarm"})
-            elif snap is None:
-                await write_frame(writer, {"ok": False, "reason": "no_state"})
-            elif op == "meta":
-                await write_frame(writer, {"ok": True, "round": snap.round, "hash": snap.params_hash,
-                                           "size": len(snap.blob), "digest": snap.digest, "shapes": snap.shapes,
-                                           "chunk": snap.chunk_bytes, "chunks": snap.chunk_digests})
-            elif op == "range":
-                offset, length = hfield(header, "offset", int), hfield(header, "length", int)
-                if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
-                    await write_frame(writer, {"ok": False, "reason": "moved_on"})
-                    return
-                if not (0 <= offset and 0 < length <= snap.chunk_bytes and offset + length <= len(snap.blob)):
-                    raise WireError("bad_range")
-                faults.checkpoint("serve", snap.round + 1)
-                sent = await write_frame(writer, {"ok": True}, memoryview(snap.blob)[offset : offset + length])
-                self.metrics.sent_bytes.inc(sent)
-                self.metrics.state_served.inc()
-                await linger(reader, self.swarm.config.request_timeout)
-            else:
-                raise WireError("bad_op")
+            if not await self.swarm.admits(requester):
+                return  # counted as not_admitted: an outsider gets no byte of state
+            async with handler_deadline(3 * self.swarm.config.request_timeout):
+                await self._serve(requester, reader, writer)
         except WireError as e:
             self.swarm.reject(e.reason, str(e))
         except (ConnectionError, OSError, asyncio.CancelledError):
@@ -130,7 +102,48 @@ class StateServer:
             log.exception("state handler failed")
             self.swarm.reject("handler_error", repr(e))
         finally:
+            self.swarm.streams.release(requester)
             await close_writer(writer)
+
+    async def _serve(self, requester: str, reader, writer) -> None:
+        """One request: the snapshot's meta, a range of it, or our certificate chain."""
+        header, _ = await read_frame(reader, self.swarm.config.request_timeout, max_header=SMALL_HEADER_BYTES,
+                                     max_payload=0)
+        snap = self.snapshot
+        op = hfield(header, "op", str)
+        # Only peers that announced themselves in this run's peer table get the state.
+        if requester not in self.swarm.peers and requester not in await self.swarm.refresh_peers():
+            self.swarm.reject("not_in_swarm", requester[-8:])
+            await write_frame(writer, {"ok": False, "reason": "not_in_swarm"})
+        elif op == "certs":
+            after = hfield(header, "after", int)
+            certs = self.commits.after(after)
+            payload = encode_certs(certs)
+            if len(payload) > MAX_PAYLOAD_BYTES:  # a long chain in pieces: the requester asks again
+                certs = certs[: max(1, len(certs) * MAX_PAYLOAD_BYTES // len(payload) // 2)]
+                payload = encode_certs(certs)
+            await write_frame(writer, {"ok": True, "n": len(certs)}, payload)
+            await linger(reader, self.swarm.config.request_timeout)
+        elif snap is None:
+            await write_frame(writer, {"ok": False, "reason": "no_state"})
+        elif op == "meta":
+            await write_frame(writer, {"ok": True, "round": snap.round, "hash": snap.params_hash,
+                                       "size": len(snap.blob), "digest": snap.digest, "shapes": snap.shapes,
+                                       "chunk": snap.chunk_bytes, "chunks": snap.chunk_digests})
+        elif op == "range":
+            offset, length = hfield(header, "offset", int), hfield(header, "length", int)
+            if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
+                await write_frame(writer, {"ok": False, "reason": "moved_on"})
+                return
+            if not (0 <= offset and 0 < length <= snap.chunk_bytes and offset + length <= len(snap.blob)):
+                raise WireError("bad_range")
+            faults.checkpoint("serve", snap.round + 1)
+            sent = await write_frame(writer, {"ok": True}, memoryview(snap.blob)[offset : offset + length])
+            self.metrics.sent_bytes.inc(sent)
+            self.metrics.state_served.inc()
+            await linger(reader, self.swarm.config.request_timeout)
+        else:
+            raise WireError("bad_op")
 
 
 class StateDownload:
@@ -153,6 +166,39 @@ class StateDownload:
             return reply, payload
         finally:
             await close_writer(writer)
+
+    async def fetch_chain(self, round: int, params_hash: str, donors: list[str], commits: CommitLog,
+                          admits=lambda peer: True) -> list[CommitCertificate]:
+        """The certificates that lead from a state ``commits`` trusts to (round, params_hash), from
+        the first donor that has a valid chain; RuntimeError if none has."""
+        reasons = []
+        for donor in donors:
+            # Most of the time the chain from just below our own round is enough; else all of it.
+            starts = sorted({max(0, min(round, max(commits.trusted)) - 16), 0}, reverse=True)
+            chain: dict[int, CommitCertificate] = {}
+            for after in starts:
+                try:
+                    while True:
+                        reply, payload = await self._request(donor, {"op": "certs", "after": after},
+                                                             max_payload=MAX_PAYLOAD_BYTES)
+                        certs = decode_certs(payload)
+                        chain.update((c.round, c) for c in certs if c.round <= round)
+                        if not certs or certs[-1].round >= round:
+                            break
+                        after = certs[-1].round
+                except ValueError as e:
+                    self.swarm.reject("bad_certificate", f"from {donor[-8:]}")
+                    reasons.append(f"{donor[-8:]}: {e}")
+                    break
+                except Exception as e:
+                    reasons.append(f"{donor[-8:]}: {e!r}"[:80])
+                    break
+                ok, why = verify_chain(list(chain.values()), commits.trusted, (round, params_hash),
+                                       scope=commits.scope, admits=admits)
+                if ok:
+                    return sorted(chain.values(), key=lambda c: c.round)
+                reasons.append(f"{donor[-8:]}: {why}")
+        raise RuntimeError(f"no certificate chain to round {round} ({params_hash[:12]}): {'; '.join(reasons)}")
 
     async def run(self, round: int, params_hash: str, donors: list[str], shapes: list[list[int]]) -> Snapshot:
         """Download and verify the snapshot (round, params_hash) of a model with these parameter

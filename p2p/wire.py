@@ -1,9 +1,12 @@
 """Frames on a libp2p stream: a small msgpack header plus an optional raw payload.
 
 Every message between peers goes through ``read_frame``, which checks sizes
-before reading anything so a hostile peer cannot make us allocate or wait
-without bound. Anything malformed raises ``WireError`` with a short ``reason``
-that callers count in ``gonka_node_rejected_messages_total``.
+before reading anything, and grows a payload's buffer only as its bytes
+arrive, so a hostile peer cannot make us allocate or wait without bound; every
+``write_frame`` has a deadline too, so a peer that stops reading cannot hold
+us (or the bytes queued for it) either. Anything malformed raises
+``WireError`` with a short ``reason`` that callers count in
+``gonka_node_rejected_messages_total``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import msgpack
 # and readers that know the exact size pass a tighter ``max_payload``.
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+# Header limit for requests and replies that are a few small fields (ready, vote,
+# part and state requests): pass ``max_header=SMALL_HEADER_BYTES``.
+SMALL_HEADER_BYTES = 4096
+# Seconds one ``write_frame`` may wait for a peer to take its bytes (per-call ``timeout``).
+WRITE_TIMEOUT_SECONDS = 30.0
 
 _PREFIX = struct.Struct("!II")  # header length, payload length
 
@@ -27,6 +35,9 @@ _PREFIX = struct.Struct("!II")  # header length, payload length
 DIRECT_READ_BYTES = 64 * 1024
 # Bytes FrameReader holds for a caller that is not reading before it pauses the stream.
 READ_AHEAD_BYTES = 1024 * 1024
+# A payload's first buffer; later ones double what arrived. One piece of an
+# all-reduce (2^18 fp32) lands in it whole; a declared size is only a promise.
+FIRST_BUFFER_BYTES = 1024 * 1024
 
 
 class WireError(Exception):
@@ -37,27 +48,49 @@ class WireError(Exception):
         self.reason = reason
 
 
-async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes | memoryview = b"") -> int:
-    """Send one frame; returns the bytes written (for the sent-bytes metric)."""
+async def write_frame(
+    writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes | memoryview = b"", *,
+    timeout: float | None = None,
+) -> int:
+    """Send one frame; returns the bytes written (for the sent-bytes metric).
+
+    Waits at most ``timeout`` seconds (default WRITE_TIMEOUT_SECONDS) for the peer to
+    take the bytes, then raises WireError("write_timeout") after aborting the stream:
+    half a frame went out, so nothing more may follow, and the queued rest is dropped
+    instead of held for a peer that does not read."""
     packed = msgpack.packb(header, use_bin_type=True)
     assert len(packed) <= MAX_HEADER_BYTES and len(payload) <= MAX_PAYLOAD_BYTES
     writer.write(_PREFIX.pack(len(packed), len(payload)))
     writer.write(packed)
     if len(payload):
         writer.write(payload)
-    await writer.drain()
+    transport = writer.transport
+    if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[0]:
+        await writer.drain()  # below the low-water mark writing is not paused: this cannot wait
+    else:
+        limit = WRITE_TIMEOUT_SECONDS if timeout is None else timeout
+        try:
+            async with asyncio.timeout(limit):
+                await writer.drain()
+        except TimeoutError:
+            transport.abort()
+            raise WireError("write_timeout", f"frame not taken within {limit:.1f}s") from None
     return _PREFIX.size + len(packed) + len(payload)
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, timeout: float, *, max_payload: int = MAX_PAYLOAD_BYTES
+    reader: asyncio.StreamReader, timeout: float, *, max_header: int = MAX_HEADER_BYTES,
+    max_payload: int = MAX_PAYLOAD_BYTES,
 ) -> tuple[dict[str, Any], bytes]:
-    """Read one frame within ``timeout`` seconds; raise WireError if it is malformed."""
+    """Read one frame within ``timeout`` seconds; raise WireError if it is malformed.
+
+    ``max_header``/``max_payload`` bound what the peer may declare: a request that is
+    only a header reads with ``max_header=SMALL_HEADER_BYTES, max_payload=0``."""
     try:
         async with asyncio.timeout(timeout):
             prefix = await reader.readexactly(_PREFIX.size)
             header_len, payload_len = _PREFIX.unpack(prefix)
-            if header_len > MAX_HEADER_BYTES:
+            if header_len > max_header:
                 raise WireError("oversized_header", f"{header_len} bytes")
             if payload_len > max_payload:
                 raise WireError("oversized_payload", f"{payload_len} bytes")
@@ -76,11 +109,11 @@ async def read_frame(
     return header, payload
 
 
-async def reply(writer: asyncio.StreamWriter, header: dict[str, Any]) -> None:
-    """Answer with a header-only frame; a requester that is already gone is no error."""
+async def reply(writer: asyncio.StreamWriter, header: dict[str, Any], *, timeout: float | None = None) -> None:
+    """Answer with a header-only frame; a requester that is gone, or does not read, is no error here."""
     try:
-        await write_frame(writer, header)
-    except (ConnectionError, OSError):
+        await write_frame(writer, header, timeout=timeout)
+    except (ConnectionError, OSError, WireError):
         pass
 
 
@@ -125,9 +158,12 @@ class FrameReader(asyncio.BufferedProtocol):
     and wakes the reading task for each one; a 1 MB piece arriving over a shaped
     link comes in ~35 chunks, so most of a round's event-loop time went there.
     This protocol takes over the transport (``attach``): a read of at least
-    DIRECT_READ_BYTES is received straight into the caller's new buffer, smaller
-    reads come from a small buffer of ours, and the reading task wakes once per
-    read. It offers ``readexactly`` and ``read`` with StreamReader's semantics, so
+    DIRECT_READ_BYTES is received straight into buffers that become the caller's,
+    smaller reads come from a small buffer of ours, and the reading task wakes once
+    per read. A direct read's buffers grow with what arrived, never with what was
+    declared: the first holds FIRST_BUFFER_BYTES (a whole piece of a round), each
+    next one as much as arrived before it, and the last is the whole read, with what
+    arrived before copied to its front (less than one copy of the read). It offers ``readexactly`` and ``read`` with StreamReader's semantics, so
     ``read_frame`` and ``linger`` take either. The StreamWriter keeps working:
     flow control, end of stream and connection loss are passed on to the stream's
     original protocol.
@@ -138,8 +174,13 @@ class FrameReader(asyncio.BufferedProtocol):
         self._stream = stream_protocol
         self._buf = bytearray(DIRECT_READ_BYTES)
         self._lo = self._hi = 0  # our buffered bytes are _buf[_lo:_hi]
-        self._dest: memoryview | None = None  # a direct read in progress: its buffer and how far it is filled
-        self._filled = 0
+        # A direct read in progress: where its bytes land now (the end of its last buffer,
+        # from _dest_start on) and how much of that is filled.
+        self._dest: memoryview | None = None
+        self._dest_start = self._filled = 0
+        self._segments: list[bytearray] = []  # the direct read's buffers, in order
+        self._allocated = 0  # bytes of the read they have room for
+        self._need = 0  # the direct read's size
         self._want = 0  # bytes of ours the waiting reader needs
         self._waiter: asyncio.Future | None = None
         self._eof = False
@@ -177,8 +218,7 @@ class FrameReader(asyncio.BufferedProtocol):
         if self._dest is not None:
             self._filled += nbytes
             if self._filled == len(self._dest):
-                self._dest = None  # complete: anything after it is the next frame's, for our buffer
-                self._wake()
+                self._next_segment()
             return
         self._hi += nbytes
         if self._waiter is not None and self._hi - self._lo >= self._want:
@@ -233,25 +273,56 @@ class FrameReader(asyncio.BufferedProtocol):
         return self._eof and self._lo == self._hi
 
     async def _read_direct(self, n: int) -> bytearray:
-        out = bytearray(n)
         have = min(n, self._hi - self._lo)
-        out[:have] = self._buf[self._lo : self._lo + have]
+        first = bytearray(max(have, min(n, FIRST_BUFFER_BYTES)))
+        first[:have] = self._buf[self._lo : self._lo + have]
         self._lo += have
-        if have == n:
-            return out
-        self._dest, self._filled = memoryview(out), have
+        self._segments, self._allocated, self._need = [first], len(first), n
+        self._dest, self._dest_start, self._filled = memoryview(first), 0, have
         try:
-            while self._filled < n:
-                self._check_open(out[: self._filled], n)
+            if have == len(first):
+                self._next_segment()
+            while self._dest is not None:
+                self._check_open(self._segments, n)
                 await self._wait(0)
+            segments = self._segments
         finally:
-            self._dest = None  # not released: the transport may still hold a slice of it
-        return out
+            # Not released: the transport may still hold a slice of one of them.
+            self._dest, self._segments = None, []
+        assert len(segments) == 1 and len(segments[0]) == n
+        return segments[0]
+
+    def _next_segment(self) -> None:
+        """The current buffer of a direct read is full: give the transport the next one, or finish.
+
+        Each next buffer holds as much again as arrived so far, so what we hold stays
+        within twice what the peer sent. The last one is the whole read: what arrived
+        is copied to its front (less than the read, once) and the rest lands in place."""
+        if self._allocated == self._need:
+            self._dest = None  # complete: anything after it is the next frame's, for our buffer
+            self._wake()
+            return
+        arrived = self._allocated
+        if self._need - arrived > arrived:
+            segment, start = bytearray(arrived), 0
+            self._segments.append(segment)
+            self._allocated += arrived
+        else:
+            segment, start = bytearray(self._need), arrived
+            at = 0
+            for part in self._segments:
+                segment[at : at + len(part)] = part
+                at += len(part)
+            self._segments, self._allocated = [segment], self._need
+        self._dest, self._dest_start, self._filled = memoryview(segment)[start:], start, 0
 
     def _check_open(self, partial, n: int) -> None:
+        """Raise if the stream failed or ended; ``partial`` is what arrived (bytes, or a direct read's buffers)."""
         if self._error is not None:
             raise self._error
         if self._eof:
+            if isinstance(partial, list):  # only the filled part of the last buffer arrived
+                partial = b"".join([*partial[:-1], partial[-1][: self._dest_start + self._filled]])
             raise asyncio.IncompleteReadError(bytes(partial), n)
 
     async def _wait(self, want: int) -> None:

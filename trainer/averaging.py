@@ -3,12 +3,15 @@
 The swarm implements ``Averager`` over libp2p; ``InProcessGroup`` implements it
 for k workers inside one process (the simulator and the tests), so the same
 DiLoCo code runs in both and in-process convergence can be trusted for the swarm.
+The group combines the members' tensors with ``combine``: the exact mean by
+default, or the swarm's own aggregation (``p2p.compression.SwarmAverage``).
+``HostileMember`` sends an attacker's pseudo-gradient instead of its worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -37,6 +40,41 @@ def weighted_average(contributions: list[tuple[list[torch.Tensor], float]]) -> l
     return out
 
 
+# The members' (tensors, weight) in member order -> the round's result.
+Combine = Callable[[list[tuple[list[torch.Tensor], float]]], list[torch.Tensor]]
+
+
+def _fill(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Against the honest direction: -value where the honest value is >= 0, +value elsewhere.
+    return lambda t: torch.where(t < 0, value, -value).to(t.dtype)
+
+
+def attack(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a hostile member sends in place of one of its honest tensors t: ``fill:V`` (every value
+    ±V, against the sign of t's), ``scale:F`` (F · t); ValueError otherwise."""
+    name, _, arg = kind.partition(":")
+    try:
+        value = float(arg)
+    except ValueError:
+        value = float("nan")
+    if name not in ("fill", "scale") or value != value or abs(value) == float("inf"):
+        raise ValueError(f"attack kind must be fill:V or scale:F with a finite number (got {kind!r})")
+    return _fill(value) if name == "fill" else (lambda t: t * value)
+
+
+class HostileMember:
+    """An ``Averager`` whose member sends ``attack(kind)`` of its pseudo-gradient, with its honest
+    weight (the swarm caps weights), and applies the round's result like everyone else."""
+
+    def __init__(self, inner: Averager, kind: str) -> None:
+        self.inner = inner
+        self.kind = kind
+        self._attack = attack(kind)
+
+    async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
+        return await self.inner.average([self._attack(t.detach()) for t in tensors], weight, round)
+
+
 class _Round:
     def __init__(self, expected: int) -> None:
         self.expected = expected
@@ -49,13 +87,16 @@ class InProcessGroup:
 
     ``fail`` holds (worker_index, round) pairs: that member's call returns None and
     the others average without it, as when a peer drops out of a swarm round.
+    ``combine`` turns the contributions, in member order, into the result.
     """
 
-    def __init__(self, k: int, *, fail: set[tuple[int, int]] | frozenset = frozenset()) -> None:
+    def __init__(self, k: int, *, fail: set[tuple[int, int]] | frozenset = frozenset(),
+                 combine: Combine = weighted_average) -> None:
         if k < 1:
             raise ValueError(f"group size must be >= 1 (got {k})")
         self.k = k
         self.fail = frozenset(fail)
+        self.combine = combine
         self._rounds: dict[int, _Round] = {}
         self._done: set[int] = set()
         self._sat_out: set[tuple[int, int]] = set()
@@ -87,7 +128,7 @@ class InProcessGroup:
         if len(state.contributions) == state.expected and not state.result.done():
             ordered = [state.contributions[i] for i in sorted(state.contributions)]
             # A round where nobody did any work has nothing to average.
-            result = weighted_average(ordered) if sum(w for _, w in ordered) > 0 else None
+            result = self.combine(ordered) if sum(w for _, w in ordered) > 0 else None
             state.result.set_result(result)
             del self._rounds[round]
             self._done.add(round)

@@ -139,13 +139,14 @@ class DiLoCoWorker:
         # θ before any step or download: part of the run's fingerprint.
         self.init_hash = self.params_hash()
 
-    def fingerprint(self, codec: str) -> Fingerprint:
+    def fingerprint(self, codec: str, rounds: str = "") -> Fingerprint:
         """What every peer of this run must share (trainer/fingerprint.py)."""
         return run_fingerprint(
             model_config=self.loaded.config, init_hash=self.init_hash,
             tokenizer=getattr(self._corpus, "tokenizer_sha256", None) or "bytes",
             data=self.sampler.split_digest(), seq_len=self.seq_len, codec=codec,
-            outer_lr=self.outer_cfg.lr, outer_momentum=self.outer_cfg.momentum, nesterov=self.outer_cfg.nesterov)
+            outer_lr=self.outer_cfg.lr, outer_momentum=self.outer_cfg.momentum, nesterov=self.outer_cfg.nesterov,
+            rounds=rounds)
 
     # -- inner loop -------------------------------------------------------
 
@@ -302,12 +303,7 @@ class DiLoCoWorker:
         self.reset_local()
 
     def params_hash(self) -> str:
-        """blake2b of θ's shapes and raw bytes: equal iff θ is bit-identical."""
-        h = hashlib.blake2b(digest_size=16)
-        for g in self.global_params:
-            h.update(repr(tuple(g.shape)).encode())
-            h.update(g.contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return params_digest(self.global_params)
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [tuple(g.shape) for g in self.global_params]
@@ -458,3 +454,12 @@ async def drain(worker: DiLoCoWorker, pending: asyncio.Future | None) -> bool | 
     if avg is not None:
         worker.apply_outer(avg)
     return avg is not None
+
+
+def params_digest(params) -> str:
+    """blake2b of θ's shapes and raw bytes: equal iff θ is bit-identical (the ``params_hash``)."""
+    h = hashlib.blake2b(digest_size=16)
+    for g in params:
+        h.update(repr(tuple(g.shape)).encode())
+        h.update(g.contiguous().numpy().tobytes())
+    return h.hexdigest()

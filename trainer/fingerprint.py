@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 
 # Bumped whenever peers of two versions could not train together.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # What a part is called in messages to the user, in the order they are checked.
 PART_NAMES = {
@@ -34,6 +34,7 @@ PART_NAMES = {
     "seq_len": "sequence length",
     "codec": "codec",
     "outer": "outer settings",
+    "rounds": "round rules (aggregator, weight cap)",
 }
 MAX_PART_CHARS = 64
 
@@ -82,7 +83,7 @@ class Fingerprint:
 
 
 def run_fingerprint(*, model_config: dict, init_hash: str, tokenizer: str, data: str, seq_len: int, codec: str,
-                    outer_lr: float, outer_momentum: float, nesterov: bool) -> Fingerprint:
+                    outer_lr: float, outer_momentum: float, nesterov: bool, rounds: str = "") -> Fingerprint:
     """The fingerprint of a run from its parts (each already a digest or a short value)."""
     parts = {
         "protocol": str(PROTOCOL_VERSION),
@@ -94,6 +95,8 @@ def run_fingerprint(*, model_config: dict, init_hash: str, tokenizer: str, data:
         "codec": codec,
         "outer": f"lr={outer_lr!r},momentum={outer_momentum!r},nesterov={str(bool(nesterov)).lower()}",
     }
+    if rounds:  # how owners combine and cap contributions: every auditor must recompute the same
+        parts["rounds"] = rounds[:MAX_PART_CHARS]
     return Fingerprint(parts)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from typing import Callable
 
-from trainer.averaging import Averager, InProcessGroup
+from trainer.averaging import Averager, HostileMember, InProcessGroup, weighted_average
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.diloco import DiLoCoWorker, drain, run_round, run_round_overlapped
 
@@ -32,13 +32,23 @@ class Simulator:
         fail: set[tuple[int, int]] | frozenset = frozenset(),
         wrap: Callable[[int, Averager], Averager] | None = None,
         land_after: float = 1.0,
+        aggregator: str | None = None,
+        hostile: tuple[int, str] | None = None,
     ) -> None:
         """``wrap(i, member)`` may replace worker i's averager, e.g. to compress on the way.
 
         Overlapped rounds: the average of round r lands after this fraction of round
-        r+1's inner steps (an all-reduce that takes half a round: 0.5; 1.0 = at the end)."""
+        r+1's inner steps (an all-reduce that takes half a round: 0.5; 1.0 = at the end).
+
+        ``aggregator``: None averages exactly (float64); a ``swarm.aggregator`` name runs the
+        swarm's part owners' code on the swarm's pieces (``p2p.compression.SwarmAverage``).
+        ``hostile=(i, kind)``: worker i sends ``trainer.averaging.attack(kind)`` of its
+        pseudo-gradient, as the part owners receive it (a ``wrap`` codec's errors and
+        error feedback stay the worker's own; the hostile values are not quantised)."""
         if not 0.0 <= land_after <= 1.0:
             raise ValueError(f"land_after must be in [0, 1], got {land_after}")
+        if hostile is not None and not 0 <= hostile[0] < k:
+            raise ValueError(f"hostile member must be in [0, {k}) (got {hostile[0]})")
         self.land_after = land_after
         # One seed for all: every worker starts from the same θ, as peers do.
         self.workers = [
@@ -50,8 +60,16 @@ class Simulator:
         ]
         self.overlap = outer.overlap != "off"
         self._pending: list[asyncio.Future | None] = [None] * k
-        self.group = InProcessGroup(k, fail=fail)
+        combine = weighted_average
+        if aggregator is not None:
+            from p2p.compression import SwarmAverage  # pure tensor code, no network
+
+            combine = SwarmAverage(aggregator)
+        self.group = InProcessGroup(k, fail=fail, combine=combine)
         self._members = [self.group.member(i) for i in range(k)]
+        if hostile is not None:
+            i, kind = hostile
+            self._members[i] = HostileMember(self._members[i], kind)
         if wrap is not None:
             self._members = [wrap(i, m) for i, m in enumerate(self._members)]
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import allreduce, codecs, convergence, dataloader, join, overhead, prepare, scale, utilization
+from . import aggregate, allreduce, codecs, convergence, dataloader, join, overhead, prepare, scale, trust, utilization
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "aggregate": aggregate.run,
     "allreduce": allreduce.run,
     "codecs": codecs.run,
     "convergence": convergence.run,
@@ -23,10 +24,12 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "overhead": overhead.run,
     "prepare": prepare.run,
     "scale": scale.run,
+    "trust": trust.run,
     "utilization": utilization.run,
 }
 
 ARGUMENTS: dict[str, Callable[[Any], None]] = {
+    "aggregate": aggregate.add_arguments,
     "allreduce": allreduce.add_arguments,
     "codecs": codecs.add_arguments,
     "convergence": convergence.add_arguments,
@@ -35,5 +38,6 @@ ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "overhead": overhead.add_arguments,
     "prepare": prepare.add_arguments,
     "scale": scale.add_arguments,
+    "trust": trust.add_arguments,
     "utilization": utilization.add_arguments,
 }

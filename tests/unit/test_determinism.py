@@ -1,6 +1,6 @@
-"""Bits that must not depend on the CPU: seeded_normal_ and the part owner's average, compared
-across child processes run under each ATEN_CPU_CAPABILITY this CPU has; and seeded_normal_'s
-distribution, stream and arguments in-process.
+"""Bits that must not depend on the CPU: seeded_normal_, the part owner's average and its robust
+aggregators (norms included), compared across child processes run under each ATEN_CPU_CAPABILITY
+this CPU has; and seeded_normal_'s distribution, stream and arguments in-process.
 
 ``hashes_by_capability`` is shared with test_outer.py."""
 
@@ -85,6 +85,7 @@ CHILD = r"""
 import hashlib, json
 import torch
 from p2p.codecs import FP4Codec, Int4Codec, Int8Codec, get_codec
+from p2p.aggregate import norm
 from p2p.compression import average_part
 from trainer.determinism import seeded_normal_
 
@@ -109,6 +110,20 @@ codecs = (get_codec("fp32"), get_codec("fp16"), Int8Codec(), Int8Codec(100), Int
           FP4Codec(native=False))
 for codec in codecs:
     out["average_" + codec.name] = hashlib.sha256(average_part(codec, parts)).hexdigest()
+
+# Robust aggregators: honest members only, and with hostile ones (huge values take the path that
+# scales the inputs down first; -10x is clipped).
+honest = parts + [(5000.0, seeded_normal_(torch.empty(n), 0.01, g)), (3000.0, seeded_normal_(torch.empty(n), 0.02, g))]
+hostile = honest[:4] + [(7168.0, torch.where(honest[0][1] < 0, 3.4e38, -3.4e38))]
+flipped = honest[:4] + [(7168.0, honest[1][1] * -10)]
+for aggregator in ("clip", "centered_clip"):
+    for name, contributions in (("honest", honest), ("huge", hostile), ("flipped", flipped)):
+        for codec in codecs:
+            payload = average_part(codec, contributions, aggregator)
+            out[f"robust_{aggregator}_{name}_{codec.name}"] = hashlib.sha256(payload).hexdigest()
+for i, (_, x) in enumerate(honest):
+    out[f"robust_norm_{i}"] = norm(x).hex()
+out["robust_norm_huge"] = norm(hostile[-1][1]).hex()
 print(json.dumps(out))
 """
 
@@ -124,6 +139,10 @@ def test_seeded_normal_has_the_same_bits_under_every_cpu_capability(child_hashes
 
 def test_part_average_has_the_same_bytes_under_every_cpu_capability(child_hashes):
     assert_same_everywhere(child_hashes, "average_")
+
+
+def test_robust_aggregators_have_the_same_bytes_under_every_cpu_capability(child_hashes):
+    assert_same_everywhere(child_hashes, "robust_")
 
 
 def test_seeded_normal_is_a_normal_distribution():

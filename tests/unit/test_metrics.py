@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import socket
 import urllib.request
 
 import pytest
 
-from node.metrics import NodeMetrics
+from node.metrics import OTHER, REASONS, NodeMetrics, reason_label
+
+pytestmark = pytest.mark.timeout(30)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 METRIC_NAMES = [
     "gonka_node_info",
@@ -47,7 +52,7 @@ def test_exporter_serves_every_metric():
     metrics.rounds.inc()
     metrics.round.set(1)
     metrics.rounds_aborted.labels(reason="timeout").inc()
-    metrics.rejected_messages.labels(reason="bad_shape").inc(2)
+    metrics.rejected_messages.labels(reason="bad_size").inc(2)
     metrics.allreduce_seconds.observe(1.5)
     metrics.start("127.0.0.1:0")
     try:
@@ -62,7 +67,7 @@ def test_exporter_serves_every_metric():
     assert 'gonka_node_info{peer_id="12D3KooWtest",run_id="run-1",version="0.1.0"} 1.0' in text
     assert "gonka_node_rounds_total 1.0" in text
     assert 'gonka_node_rounds_aborted_total{reason="timeout"} 1.0' in text
-    assert 'gonka_node_rejected_messages_total{reason="bad_shape"} 2.0' in text
+    assert 'gonka_node_rejected_messages_total{reason="bad_size"} 2.0' in text
     assert 'gonka_node_allreduce_seconds_bucket{le="600.0"} 1.0' in text
     assert "gonka_node_round 1.0" in metrics.render().decode()
 
@@ -96,3 +101,61 @@ def test_busy_port_names_the_setting():
         port = sock.getsockname()[1]
         with pytest.raises(RuntimeError, match="node.metrics_addr: cannot listen on"):
             NodeMetrics().start(f"127.0.0.1:{port}")
+
+
+def test_label_values_a_peer_chose_are_counted_as_other():
+    metrics = NodeMetrics()
+    # As a peer's reply reaches the metrics: RoundFailed(str(header.get("reason"))[:40]).
+    hostile = ['x" } evil_total 1e9', "a" * 40, "timeout ", "TIMEOUT", "", "\n", "other_reason_" + "z" * 20]
+    for reason in hostile:
+        for metric in (metrics.rejected_messages, metrics.averaging_failures, metrics.rounds_aborted, metrics.resyncs):
+            metric.labels(reason=reason).inc()
+    metrics.rounds_aborted.labels(reason=None).inc()  # not even a string
+    metrics.state_downloads.labels(result="pwned").inc()
+    metrics.averaging_failures.labels("timeout").inc()  # positional, as prometheus_client allows
+    metrics.rejected_messages.labels(reason="stream_flood").inc()
+    get = metrics.registry.get_sample_value
+    for name in ("rejected_messages", "averaging_failures", "rounds_aborted", "resyncs"):
+        samples = [s for m in metrics.registry.collect() if m.name == f"gonka_node_{name}" for s in m.samples
+                   if s.name.endswith("_total")]
+        assert {s.labels["reason"] for s in samples} <= REASONS | {OTHER}, name
+    assert get("gonka_node_rejected_messages_total", {"reason": OTHER}) == len(hostile)
+    assert get("gonka_node_rounds_aborted_total", {"reason": OTHER}) == len(hostile) + 1
+    assert get("gonka_node_state_downloads_total", {"result": OTHER}) == 1
+    assert get("gonka_node_averaging_failures_total", {"reason": "timeout"}) == 1
+    assert get("gonka_node_rejected_messages_total", {"reason": "stream_flood"}) == 1
+    assert "evil" not in metrics.render().decode()
+    assert reason_label("bad_size") == "bad_size" and reason_label(["bad_size"]) == OTHER
+
+
+# Where a reason label is born in the code: the literal in each of these is one.
+REASON_SITES = [
+    r'(?:RoundFailed|WireError|CodecError|RecordRefused|reject|_on_reject|fail|resync)\(\s*"([a-z0-9_]+)"',
+    r'return False, "([a-z0-9_]+)"',  # refusals of pure decisions (quorum, certificates)
+    r'"reason":\s*"([a-z0-9_]+)"',
+    r'get\("reason",\s*"([a-z0-9_]+)"\)',
+    r'getattr\(e,\s*"reason",\s*"([a-z0-9_]+)"\)',
+    r'\breason=\s*"([a-z0-9_]+)"',
+    r'\breason=[^,)]*\bor\s+"([a-z0-9_]+)"',
+    r'\breason\s*=\s*(?:[^=\n]*\belse\s+)?"([a-z0-9_]+)"',
+    r'RoundOutcome\("[a-z]+",\s*"([a-z0-9_]+)"',
+    r'resync\([^)\n]*\belse\s+"([a-z0-9_]+)"\)',
+    r'raise ValueError\("([a-z0-9]+_[a-z0-9_]+)"\)',  # parse_peer_record's reasons, counted by swarm.reject
+]
+
+
+def test_every_reason_in_the_code_is_in_the_fixed_set():
+    found: dict[str, str] = {}
+    for path in sorted([*ROOT.glob("p2p/*.py"), *ROOT.glob("node/*.py")]):
+        if path.name == "hostile.py":  # what a hostile peer sends is meant to end up as "other"
+            continue
+        text = path.read_text()
+        for pattern in REASON_SITES:
+            for m in re.finditer(pattern, text):
+                found.setdefault(m.group(1), f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
+        if errors := re.search(r"ERRORS = \{([^}]*)\}", text):  # the C kernels' codec reasons
+            for reason in re.findall(r'"([a-z0-9_]+)"', errors.group(1)):
+                found.setdefault(reason, str(path.relative_to(ROOT)))
+    assert len(found) > 40  # the scan still finds the reasons
+    missing = {reason: where for reason, where in found.items() if reason not in REASONS}
+    assert not missing, f"add these to node.metrics.REASONS (or stop using them as labels): {missing}"

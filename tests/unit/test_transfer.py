@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from p2p.swarm import PeerRecord, parse_peer_record
-from p2p.transfer import Snapshot, pick_target
+from p2p.quorum import follow
+from p2p.transfer import Snapshot
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -17,18 +18,26 @@ def table(*records: PeerRecord) -> dict[str, PeerRecord]:
     return {r.peer_id: r for r in records}
 
 
-def test_majority_at_the_newest_round_wins():
+def test_the_state_to_follow_is_the_one_a_majority_of_the_other_peers_holds():
     peers = table(rec("a", 3, "x"), rec("b", 3, "y"), rec("c", 3, "y"), rec("d", 2, "z"))
-    assert pick_target(peers) == (3, "y", ["b", "c"])
-    # Our own vote counts: with it, x ties y and the smaller hash wins on every peer.
-    assert pick_target(table(rec("b", 3, "y")), mine=(3, "x")) == (3, "x", [])
-    assert pick_target(table(rec("a", 3, "x")), mine=(3, "y")) == (3, "x", ["a"])
+    assert follow(peers, "me") is None  # y has 2 of 4: no majority
+    peers["e"] = rec("e", 3, "y")
+    assert follow(peers, "me") == (3, "y", ["b", "c", "e"])
+    assert follow(table(rec("b", 3, "y")), "me") == (3, "y", ["b"])  # a swarm of two: the other peer
 
 
-def test_newer_round_beats_a_bigger_group_and_joiners_do_not_vote():
-    peers = table(rec("a", 5, "n"), rec("b", 4, "o"), rec("c", 4, "o"), rec("j", 9, "q", state="joining"))
-    assert pick_target(peers) == (5, "n", ["a"])
-    assert pick_target(table(rec("j", 0, "q", state="joining"))) is None
+def test_one_peer_or_a_minority_announcing_a_newer_round_is_not_followed():
+    honest = [rec(p, 4, "o") for p in "abc"]
+    assert follow(table(*honest, rec("liar", 1004, "zeros")), "me") == (4, "o", ["a", "b", "c"])
+    liars = [rec(p, 1004, "zeros") for p in ("l1", "l2")]
+    assert follow(table(*honest, *liars), "me") == (4, "o", ["a", "b", "c"])
+    assert follow(table(*honest[:2], *liars), "me") is None  # half is no majority either
+
+
+def test_joiners_and_stopped_peers_do_not_vote():
+    peers = table(rec("a", 5, "n"), rec("j", 9, "q", state="joining"), rec("s", 9, "q", state="stopped"))
+    assert follow(peers, "me") == (5, "n", ["a"])
+    assert follow(table(rec("j", 0, "q", state="joining")), "me") is None
 
 
 def test_heartbeat_validation_rejects_garbage():

@@ -1,0 +1,62 @@
+"""Hostile behaviour for tests and ``scripts/attack.py``: a node that lies the way an attacker would.
+
+Set ``GONKA_TEST_HOSTILE=KIND[,KIND...]`` in a node's environment (only tests
+and the attack script do). Kinds:
+
+- ``scale=F``: send F times its honest pseudo-gradient (F = -1000, 1e4, -10, ...);
+- ``fill=V``: send a pseudo-gradient of the value V everywhere (1e30, 3.4e38, -3.4e38);
+- ``weight=W``: claim W tokens of weight (1e30, -1, ...);
+- ``abort``: join every group, then abort it;
+- ``silent_leader``: announce ready, but never send ``begin`` when it leads;
+- ``alter_slice``: as a part owner, return a finite but wrong average;
+- ``fake_state``: announce a round 1000 ahead with a state of its own (zeros) and serve it;
+- ``flood``: open streams to every peer and leave them open.
+
+The hooks sit where an attacker would act, in the node's own code; a node
+without the variable never takes them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV = "GONKA_TEST_HOSTILE"
+_FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "flood")
+_VALUES = ("scale", "fill", "weight")
+
+
+@dataclass(frozen=True, slots=True)
+class Behaviour:
+    scale: float | None = None
+    fill: float | None = None
+    weight: float | None = None
+    abort: bool = False
+    silent_leader: bool = False
+    alter_slice: bool = False
+    fake_state: bool = False
+    flood: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self != Behaviour()
+
+
+def parse(spec: str) -> Behaviour:
+    """``KIND[,KIND...]`` as above; ValueError naming the variable if malformed."""
+    fields: dict = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, eq, value = item.partition("=")
+        if name in _FLAGS and not eq:
+            fields[name] = True
+        elif name in _VALUES and eq:
+            try:
+                fields[name] = float(value)
+            except ValueError:
+                raise ValueError(f"{ENV}: {name} needs a number (got {value!r})") from None
+        else:
+            raise ValueError(f"{ENV}: unknown behaviour {item!r} (known: {', '.join(_FLAGS + _VALUES)})")
+    return Behaviour(**fields)
+
+
+BEHAVIOUR = parse(os.environ.get(ENV, ""))

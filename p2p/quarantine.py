@@ -1,0 +1,61 @@
+"""Whom to leave out of rounds for a while: a pure decision over what peers did, time as a parameter.
+
+Two kinds of offence. A *lie* — input no honest peer sends (a malformed or
+non-finite piece, an impossible or capped weight, an owner's slice that an
+audit recomputed differently, a misreported input) — quarantines the peer at
+once. A *fault* — it aborted a round, refused a group, or led a round it never
+started — could be bad luck, so it is a strike, and ``strikes`` of them within
+the quarantine period quarantine it. A quarantined peer is kept out of every
+group this node leads and its ``begin`` is refused; it still counts as live in
+the quorum (``quorum.py``) while it heartbeats, so quarantine can never let a
+minority commit. Every node decides alone, from what it saw itself.
+"""
+
+from __future__ import annotations
+
+from p2p.limits import BoundedDict
+
+# Offences that only a lying (or broken) peer commits.
+LIES = frozenset({
+    "bad_payload", "bad_weight", "non_finite", "bad_size", "duplicate_part", "bad_lane", "weight_capped",
+    "audit_failed", "owner_misreported", "bad_members", "bad_vote",
+})
+# Offences an honest peer may commit by bad luck: counted as strikes.
+FAULTS = frozenset({"aborted", "refused", "silent_leader"})
+STRIKES = 3
+
+
+class Quarantine:
+    """Per-peer strikes and quarantine periods, bounded in size."""
+
+    def __init__(self, seconds: float, strikes: int = STRIKES, max_peers: int = 4096) -> None:
+        self.seconds = seconds
+        self.strikes = strikes
+        self._until = BoundedDict(max_peers)  # peer -> end of its quarantine
+        self._strikes = BoundedDict(max_peers)  # peer -> times of its recent faults
+
+    def offence(self, peer: str, reason: str, now: float) -> bool:
+        """Record what ``peer`` did; True if this quarantines it (it was not quarantined before)."""
+        if self.quarantined(peer, now):
+            return False
+        if reason in FAULTS:
+            recent = [t for t in self._strikes.get(peer, ()) if now - t < self.seconds] + [now]
+            self._strikes[peer] = recent[-self.strikes:]
+            if len(recent) < self.strikes:
+                return False
+        self._strikes.pop(peer, None)
+        self._until[peer] = now + self.seconds
+        return True
+
+    def quarantined(self, peer: str, now: float) -> bool:
+        until = self._until.get(peer)
+        if until is None:
+            return False
+        if until <= now:
+            del self._until[peer]
+            return False
+        return True
+
+    def active(self, now: float) -> set[str]:
+        """Peers quarantined at ``now``."""
+        return {p for p in list(self._until) if self.quarantined(p, now)}
