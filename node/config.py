@@ -28,8 +28,9 @@ import tomllib
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GONKA_"
-# GONKA_* variables that are not settings: test-only fault injection (p2p/faults.py).
-NOT_SETTINGS = frozenset({"GONKA_TEST_FAULT"})
+# GONKA_* variables that are not settings: test-only fault injection and hostile behaviour
+# (p2p/faults.py, p2p/hostile.py).
+NOT_SETTINGS = frozenset({"GONKA_TEST_FAULT", "GONKA_TEST_HOSTILE"})
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 _MAX_SOCKET_PATH = 107

@@ -14,7 +14,8 @@ import time
 
 from node.status import Status
 from p2p import hostile
-from p2p.quorum import follow
+from p2p.group import counted_tokens
+from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
 from p2p.transfer import Snapshot, StateDownload, StateServer
@@ -140,8 +141,9 @@ class TrainingLoop:
             while True:
                 self.swarm.announce(rtok=mine(), step=self.worker.inner_step)
                 peers = await self.swarm.refresh_peers()
-                # Peers on our round train towards the same next round.
-                swarm_tokens = sum(r.round_tokens for r in peers.values() if r.round == self.worker.round)
+                # Peers on our round train towards the same next round (their claims capped).
+                swarm_tokens = counted_tokens([r.round_tokens for r in peers.values() if r.round == self.worker.round],
+                                              mine())
                 await asyncio.sleep(self.swarm.config.heartbeat_interval / 2)
 
         monitor = asyncio.ensure_future(share_progress()) if cfg.round_tokens else None
@@ -169,7 +171,7 @@ class TrainingLoop:
         (``behind``: the caller re-syncs), or we are told to stop (None)."""
         r = self.worker.round
         while not self.stop_requested.is_set():
-            avg = await self.unless_stopped(self.rounds.average(delta, weight, r))
+            avg = await self.unless_stopped(self.rounds.average(delta, weight, r, state=self.status.params_hash))
             outcome = self.rounds.last
             if avg is not None:
                 await self.commit(avg)
@@ -243,8 +245,8 @@ class TrainingLoop:
             return
         deadline = time.monotonic() + max(3 * self.swarm.config.heartbeat_interval, 5.0)
         while time.monotonic() < deadline and not self.stop_requested.is_set():
-            target = follow(await self.swarm.refresh_peers(), self.swarm.peer_id)
-            if target is not None:
+            peers = await self.swarm.refresh_peers()
+            if live_peers(peers, self.swarm.peer_id) - {self.swarm.peer_id}:  # someone holds the swarm's state
                 break
             await asyncio.sleep(0.2)
         else:
@@ -255,56 +257,66 @@ class TrainingLoop:
                     f"(peer {peer}); start with the same --model, --data, --seed and settings, or another --run-id")
             log.warning("no live peer announced itself yet; starting from this node's own state")
             return
-        round, params_hash, _ = target
-        if (round, params_hash) != (self.worker.round, self.status.params_hash):
+        if self.decide(peers, patient=True)[0]:
             await self.resync("join")
+
+    def decide(self, peers, *, patient: bool = True) -> tuple[str, list[tuple[int, str, list[str]]]]:
+        """Whether to leave our state, and for which (``quorum.follow``: never one peer's word).
+        Quarantined peers vouch for nothing."""
+        mine = (self.worker.round, self.status.params_hash)
+        excluded = self.rounds.quarantine.active(time.monotonic())
+        return follow(peers, self.swarm.peer_id, mine, excluded=excluded, patient=patient)
 
     async def check_consistency(self) -> None:
         """After a commit: if a majority of the other peers holds other parameters of our round,
-        or is ahead of us, fetch their state (``quorum.follow``: never one peer's word)."""
-        target = follow(await self.swarm.refresh_peers(), self.swarm.peer_id)
-        if target is not None and target[:2] != (self.worker.round, self.status.params_hash):
-            if target[0] >= self.worker.round:  # an older majority catches up by itself
-                await self.resync("diverged" if target[0] == self.worker.round else "behind")
+        or is ahead of us, fetch their state."""
+        why, _ = self.decide(await self.swarm.refresh_peers(), patient=False)
+        if why:
+            await self.resync(why)
 
     async def resync(self, reason: str) -> None:
-        """Replace our global state with the swarm's; local progress of this round is dropped."""
+        """Replace our global state with the swarm's; local progress of this round is dropped.
+
+        Candidates come best first; each must show a certificate chain from a state we trust
+        before a byte of it is downloaded. Holders of a state that has none get a strike
+        (p2p/quarantine.py): a peer that keeps announcing one is soon ignored."""
         commits = self.rounds.commits
         for attempt in range(3):
-            target = follow(await self.swarm.refresh_peers(), self.swarm.peer_id)
-            if target is None:
-                log.warning("re-sync (%s): no state held by a majority of the other peers", reason)
+            why, candidates = self.decide(await self.swarm.refresh_peers())
+            if not why or not candidates:
+                log.warning("re-sync (%s): no majority of the other peers is ahead or elsewhere", reason)
                 return
-            if self.overlapped and await self.round_in_flight(target[0]):
+            if self.overlapped and await self.round_in_flight(candidates[0][0]):
                 continue
-            round, params_hash, donors = target
             self.set_state("joining")
             download = StateDownload(self.swarm, self.metrics, self.server.name)
-            try:
-                # Before a byte of state: a certificate chain from a state we trust (p2p/commits.py).
-                chain = await download.fetch_chain(round, params_hash, donors, commits)
-            except RuntimeError as e:
-                log.warning("not following round %d (%s): %s", round, params_hash[:12], e)
-                self.metrics.state_downloads.labels(result="uncertified").inc()
-                await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
-                continue
-            try:
-                snap = await download.run(round, params_hash, donors, [list(s) for s in self.worker.state_shapes()])
-                ok = await self.compute(self._load_verified, snap)
-            except (RuntimeError, ValueError) as e:
-                log.warning("state download failed: %s", e)
-                ok = False
-            self.metrics.state_downloads.labels(result="ok" if ok else "failed").inc()
-            if ok:
-                commits.adopt(chain, round, params_hash)
-                self.metrics.resyncs.labels(reason=reason).inc()
-                self.metrics.round.set(self.worker.round)
-                self.round_step = 0
-                await self.publish_state()
-                log.info("resynced round=%d hash=%s reason=%s donors=%d", self.worker.round, self.status.params_hash,
-                         reason, len(donors))
-                await self.on_commit()
-                return
+            for round, params_hash, donors in candidates:
+                try:
+                    chain = await download.fetch_chain(round, params_hash, donors, commits)
+                except RuntimeError as e:
+                    log.warning("not following round %d (%s): %s", round, params_hash[:12], e)
+                    self.metrics.state_downloads.labels(result="uncertified").inc()
+                    for donor in donors:
+                        self.rounds.offence(donor, "uncertified_state")
+                    continue
+                try:
+                    snap = await download.run(round, params_hash, donors,
+                                              [list(s) for s in self.worker.state_shapes()])
+                    ok = await self.compute(self._load_verified, snap)
+                except (RuntimeError, ValueError) as e:
+                    log.warning("state download failed: %s", e)
+                    ok = False
+                self.metrics.state_downloads.labels(result="ok" if ok else "failed").inc()
+                if ok:
+                    commits.adopt(chain, round, params_hash)
+                    self.metrics.resyncs.labels(reason=reason).inc()
+                    self.metrics.round.set(self.worker.round)
+                    self.round_step = 0
+                    await self.publish_state()
+                    log.info("resynced round=%d hash=%s reason=%s donors=%d", self.worker.round,
+                             self.status.params_hash, reason, len(donors))
+                    await self.on_commit()
+                    return
             await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
 
     async def round_in_flight(self, round: int) -> bool:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p import hostile
+from p2p.hostile import HONEST, Behaviour
 from p2p.codecs import Codec, CodecError, all_finite
 from p2p.compression import average_part, part_bounds, piece_bounds
 
@@ -65,6 +65,15 @@ RELATIVE_WEIGHT_CAP = 2.0
 # One entry of an owner's declaration of the inputs of an averaged piece: the member's
 # weight as received (float64) and the first 16 bytes of the SHA-256 of its encoded piece.
 _DECLARED = struct.Struct("!d16s")
+
+
+def counted_tokens(others: list[int], mine: int) -> int:
+    """The other peers' announced progress towards a round-token budget, as this peer counts it:
+    each claim at most RELATIVE_WEIGHT_CAP times the median claim (ours included), so one peer
+    announcing a huge number cannot end everybody's round at once."""
+    if not others:
+        return 0
+    return int(sum(capped_weights([float(c) for c in others] + [float(mine)], 0.0)[:-1]))
 
 
 class RoundFailed(Exception):
@@ -128,6 +137,7 @@ class Group:
     # How the owner combines its part's pieces (p2p/aggregate.py) and the cap on a weight (0: relative).
     aggregator: str = "mean"
     weight_cap: float = 0.0
+    hostile: Behaviour = HONEST  # test-only lies of this member (p2p/hostile.py)
     votes: dict[int, bytes] = field(default_factory=dict)
     nonces: dict[int, bytes] = field(default_factory=dict)  # revealed with the votes: seed the audit
     audits: set[int] = field(default_factory=set)  # members whose audit came back clean
@@ -175,7 +185,7 @@ class Group:
     @property
     def claimed_weight(self) -> float:
         """The weight we tell the owners (a test-only hostile member claims another, p2p/hostile.py)."""
-        return self.weight if hostile.BEHAVIOUR.weight is None else hostile.BEHAVIOUR.weight
+        return self.weight if self.hostile.weight is None else self.hostile.weight
 
     @property
     def leader(self) -> str:
@@ -277,7 +287,7 @@ class Group:
         inputs = self._inputs[k]
         weights = self.effective_weights()
         data = self.aggregate([(weights[i], inputs[i]) for i in range(len(self.members))])
-        if hostile.BEHAVIOUR.alter_slice:  # test-only: an owner that returns a finite but wrong average
+        if self.hostile.alter_slice:  # test-only: an owner that returns a finite but wrong average
             start, end = self.pieces[self.index][k]
             data = self.codec.encode(self.codec.decode(data, end - start).neg_().mul_(10.0))
         declared = self.declaration(k)

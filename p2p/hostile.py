@@ -59,4 +59,7 @@ def parse(spec: str) -> Behaviour:
     return Behaviour(**fields)
 
 
+HONEST = Behaviour()
+# This process's behaviour (a node started with the variable); tests of one process give a
+# RoundProtocol its own instead (``RoundProtocol.hostile``).
 BEHAVIOUR = parse(os.environ.get(ENV, ""))

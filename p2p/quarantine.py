@@ -3,9 +3,10 @@
 Two kinds of offence. A *lie* — input no honest peer sends (a malformed or
 non-finite piece, an impossible or capped weight, an owner's slice that an
 audit recomputed differently, a misreported input) — quarantines the peer at
-once. A *fault* — it aborted a round, refused a group, or led a round it never
-started — could be bad luck, so it is a strike, and ``strikes`` of them within
-the quarantine period quarantine it. A quarantined peer is kept out of every
+once. A *fault* — it aborted a round, refused a group, led a round it never
+started while we saw a quorum ready, or announced a state without
+certificates — could be bad luck, so it is a strike, and ``strikes`` of them
+within the quarantine period quarantine it. A quarantined peer is kept out of every
 group this node leads and its ``begin`` is refused; it still counts as live in
 the quorum (``quorum.py``) while it heartbeats, so quarantine can never let a
 minority commit. Every node decides alone, from what it saw itself.
@@ -20,8 +21,9 @@ LIES = frozenset({
     "bad_payload", "bad_weight", "non_finite", "bad_size", "duplicate_part", "bad_lane", "weight_capped",
     "audit_failed", "owner_misreported", "bad_members", "bad_vote",
 })
-# Offences an honest peer may commit by bad luck: counted as strikes.
-FAULTS = frozenset({"aborted", "refused", "silent_leader"})
+# Offences an honest peer may commit by bad luck (a leader whose begin was lost, whose view of
+# the quorum was not ours): counted as strikes.
+FAULTS = frozenset({"aborted", "refused", "silent_leader", "uncertified_state"})
 STRIKES = 3
 
 

@@ -1,28 +1,42 @@
-"""Who may commit a round: pure decisions over the peer table, tested without a network.
+"""Who may commit a round, and which state to follow: pure decisions over the peer table.
 
-A round commits only with a strict majority of the peers that are live at
-that round (this peer included), and never with fewer than ``min_peers``
-members. Two disjoint groups can then never both commit the same round: each
-would need more than half of the same live peers. A peer that is merely
-*suspected* (it did not answer once, it refused a group) still counts as live
-while its heartbeats keep coming: suspicion keeps it out of the next attempt,
-but must not let the others commit as a minority. A dead peer stops counting
-when its heartbeat expires (three heartbeat intervals).
+**Quorum.** A round commits only with a strict majority of the live peers
+(this peer included; live = heartbeating and not joining, at whatever round
+they announce), and never with fewer than ``min_peers`` members. Two disjoint
+groups can then never both commit: each would need more than half of the
+same live peers — also not two groups at different round numbers, so the
+swarm cannot split into two lineages either. A peer that is merely
+*suspected* (it did not answer once, it refused a group) or quarantined still
+counts as live while its heartbeats keep coming: that keeps it out of the
+next attempt, but never lets the others commit as a minority. A dead peer
+stops counting when its heartbeat expires (three heartbeat intervals).
 
-The network code (``rounds.py``) gathers the inputs and carries the decision out.
+**Following.** A peer replaces its state only with one that enough others
+announce (``follow``), and only with a chain of commit certificates from a
+state it trusts (``commits.verify_chain``, checked by the caller before a byte
+is downloaded). Strict: the holders are a strict majority of the other live
+peers — what a peer in the middle of a round needs before it gives the round
+up. Patient (a peer that cannot make progress: joining, or stuck without a
+quorum): the holders together with this peer would be a strict majority of
+the live peers. One peer's word is never enough where anyone else disagrees
+or stays silent; a minority of liars is outvoted, and what they announce has
+no certificate chain anyway.
+
+The network code (``rounds.py``, ``node/loop.py``) gathers the inputs and
+carries the decision out.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-# States of a peer that trains at a round (it will be ready for it, or is averaging it).
+# States of a peer that holds a state and trains (it will be ready, or is averaging).
 LIVE_STATES = frozenset({"training", "ready", "averaging"})
 
 
-def live_at(peers: dict, round: int, me: str) -> set[str]:
-    """The peers live at ``round``: announcing that round in a live state, and this peer."""
-    return {p for p, r in peers.items() if r.round == round and r.state in LIVE_STATES} | {me}
+def live_peers(peers: dict, me: str) -> set[str]:
+    """The live peers: announcing a live state (at any round), and this peer."""
+    return {p for p, r in peers.items() if r.state in LIVE_STATES} | {me}
 
 
 def quorum(live: int, min_peers: int = 1) -> int:
@@ -51,20 +65,34 @@ def accept_group(members: list[str], live: set[str], min_peers: int) -> tuple[bo
     return True, ""
 
 
-def follow(peers: dict, me: str) -> tuple[int, str, list[str]] | None:
-    """The state the swarm agrees on, as (round, params_hash, holders): the one announced by a
-    strict majority of the *other* live peers that hold a state; None if no state has one.
+def majority(count: int, others: int, *, patient: bool) -> bool:
+    """Whether ``count`` of the ``others`` live peers are a strict majority of them or, when
+    ``patient``, would be one of the live peers together with this peer."""
+    return 2 * (count + 1) > others + 1 if patient else 2 * count > others
 
-    Never one peer's word where others disagree or stay silent about it: a hostile peer (or a
-    minority of them) announcing a newer round or another hash is outvoted by the rest. In a
-    swarm of two, the majority of the others is the other peer. The state offered must still
-    come with a certificate chain (``commits.verify_chain``) before anyone loads it."""
-    holders = {p: (r.round, r.params_hash) for p, r in peers.items()
-               if p != me and r.state in LIVE_STATES and r.params_hash}
-    counts: dict[tuple[int, str], int] = {}
-    for state in holders.values():
-        counts[state] = counts.get(state, 0) + 1
-    for (rnd, params_hash), n in counts.items():
-        if 2 * n > len(holders):
-            return rnd, params_hash, sorted(p for p, s in holders.items() if s == (rnd, params_hash))
-    return None
+
+def follow(peers: dict, me: str, mine: tuple[int, str], *, excluded: Iterable[str] = (), patient: bool = False
+           ) -> tuple[str, list[tuple[int, str, list[str]]]]:
+    """Whether this peer should leave its state ``mine`` = (round, params_hash), and for which.
+
+    Returns (why, candidates): why is "behind" (a majority of the other live peers announce
+    newer rounds), "diverged" (a majority holds another state of our round) or "" (stay);
+    candidates are the states announced by others at our round or later, other than ours, most
+    holders first, then newest — the caller tries them in order, each only with a certificate
+    chain. ``excluded`` peers (quarantined) count among the live but vouch for nothing."""
+    others = live_peers(peers, me) - {me}
+    vouching = sorted(others - set(excluded))
+    rnd, params_hash = mine
+    ahead = sum(1 for p in vouching if peers[p].round > rnd)
+    held: dict[tuple[int, str], list[str]] = {}
+    for p in vouching:
+        r = peers[p]
+        if r.params_hash and r.round >= rnd and (r.round, r.params_hash) != mine:
+            held.setdefault((r.round, r.params_hash), []).append(p)
+    candidates = sorted(((r, h, holders) for (r, h), holders in held.items()), key=lambda c: (-len(c[2]), -c[0], c[1]))
+    if majority(ahead, len(others), patient=patient):
+        return "behind", [c for c in candidates if c[0] > rnd]
+    same_round = [c for c in candidates if c[0] == rnd]
+    if same_round and majority(len(same_round[0][2]), len(others), patient=patient):
+        return "diverged", same_round[:1]
+    return "", []

@@ -39,7 +39,7 @@ from p2p.group import Group, RoundFailed
 from p2p.commits import CommitCertificate, CommitLog
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.quarantine import Quarantine
-from p2p.quorum import accept_group, can_start, follow, live_at, quorum
+from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
                       reply, write_frame)
@@ -68,6 +68,7 @@ class _Waiting:
     flat: torch.Tensor
     weight: float
     group: asyncio.Future
+    state: str = ""  # params_hash of the state the pseudo-gradient was taken from ("": not checked)
 
 
 class RoundProtocol:
@@ -88,6 +89,7 @@ class RoundProtocol:
         self.aggregator = cfg.aggregator
         self.weight_cap = weight_cap
         self.quarantine = Quarantine(cfg.quarantine_seconds)
+        self.hostile = hostile.BEHAVIOUR  # test-only lies (p2p/hostile.py); honest unless set
         self.min_peers = cfg.min_peers
         self.gather_timeout = cfg.gather_timeout
         self.deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
@@ -108,6 +110,7 @@ class RoundProtocol:
         self._hint_tasks: set[asyncio.Task] = set()
         self.last = RoundOutcome("none")
         self._buffers: dict[str, torch.Tensor] = {}
+        self._flood_task: asyncio.Task | None = None
         self.exchange = PartExchange(self._open, metrics, swarm.reject, self.deadlines)
 
     async def start(self) -> None:
@@ -119,6 +122,19 @@ class RoundProtocol:
         await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin, max_header=None))
         for name in ("part", "vote", "ready", "audit", "sign"):
             await p2p.add_binary_stream_handler(self._names[name], self._guard(getattr(self, f"_on_{name}")))
+        if self.hostile.flood:
+            self._flood_task = asyncio.ensure_future(self._flood())
+
+    async def _flood(self) -> None:
+        """Test-only (p2p/hostile.py): open streams to every peer and never write a byte on them."""
+        held = []
+        while True:
+            for peer in list(await self.swarm.refresh_peers(max_age=1.0)):
+                for _ in range(16):
+                    with contextlib.suppress(Exception):
+                        held.append(await self._open(peer, "part"))
+            del held[:-4096]
+            await asyncio.sleep(1.0)
 
     # ---- the averaging interface ---------------------------------------------------
 
@@ -144,17 +160,20 @@ class RoundProtocol:
             self.feedback = ErrorFeedback(numel)
         return self.feedback
 
-    async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
+    async def average(self, tensors: list[torch.Tensor], weight: float, round: int, *,
+                      state: str = "") -> list[torch.Tensor] | None:
+        """Average with the members of ``round`` that hold the same state (``state``, its
+        params_hash: two lineages of one round number never mix in one group)."""
         numel = sum(t.numel() for t in tensors)
         feedback = self.ensure_feedback(numel)
         # A copy of ~4 bytes per parameter, error feedback's residual added on the way: not on the event loop.
         flat = await off_loop(flatten, tensors, self._buffer("flat", numel),
                               feedback.residual if feedback is not None else None)
-        if hostile.BEHAVIOUR.any:
-            await off_loop(_hostile_input, flat)
+        if self.hostile.any:
+            await off_loop(_hostile_input, flat, self.hostile)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        self._waiting = _Waiting(round, flat, float(weight), loop.create_future())
+        self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state)
         self.swarm.announce(state="ready", round=round)
         try:
             group = await self._gather(round, started)
@@ -244,7 +263,7 @@ class RoundProtocol:
         quarantined = self.quarantine.active(now)
         return {p: r for p, r in peers.items() if p not in self._suspects and p not in quarantined}
 
-    def _offence(self, peer: str, reason: str) -> None:
+    def offence(self, peer: str, reason: str) -> None:
         """Record what a peer did (p2p/quarantine.py); count and log a new quarantine."""
         if peer != self.swarm.peer_id and self.quarantine.offence(peer, reason, time.monotonic()):
             self.metrics.quarantined.labels(reason=reason).inc()
@@ -254,35 +273,40 @@ class RoundProtocol:
     def _judge(self, group: Group) -> None:
         """After an attempt: the members whose input (or output, as owners) this peer refused."""
         for peer, reason in group.blame.items():
-            self._offence(peer, reason)
+            self.offence(peer, reason)
 
     async def _gather(self, round: int, started: float) -> Group:
         leader_wait_limit = self.gather_timeout + 2 * self.request_timeout
         waited_for_leader: dict[str, float] = {}
         reported = started
-        self._ready_hints.retain(lambda p, r: r >= round)
+        self._ready_hints.retain(lambda p, r: r[0] >= round)
+        state = self._waiting.state
         # Hint at once from the last table read; the fresh read below corrects the guess if needed.
         hinted_to = self._hint_leader(self._live(self.swarm.peers), round, None)
         woken = False
         while True:
             # Woken by a peer's hint: the table read a moment ago is fresh enough.
             table = await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0)
-            # Suspected peers stay in the quorum's count while they heartbeat (p2p/quorum.py).
-            live = live_at(table, round, self.swarm.peer_id)
+            # Suspected and quarantined peers stay in the quorum's count while they heartbeat.
+            live = live_peers(table, self.swarm.peer_id)
             peers = self._live(table)
-            ahead = follow(table, self.swarm.peer_id)
-            if ahead is not None and ahead[0] > round:  # the swarm (a majority, not one peer) moved on
+            # The swarm moved on: a majority of the others hold a newer round (or, once we have
+            # waited a whole gather without a quorum, enough of them to be one with us).
+            stuck = time.monotonic() - started > self.gather_timeout
+            why, _ = follow(table, self.swarm.peer_id, (round, ""), excluded=self.quarantine.active(time.monotonic()),
+                            patient=stuck)
+            if why == "behind":
                 raise _Behind()
-            hinted = {p for p, r in self._ready_hints.items() if r == round and p in peers}
-            ready = sorted({p for p, r in peers.items() if r.round == round and r.state == "ready"} | hinted
-                           | {self.swarm.peer_id})
+            hinted = {p for p, r in self._ready_hints.items() if r == (round, state) and p in peers}
+            ready = sorted({p for p, r in peers.items() if r.round == round and r.state == "ready"
+                            and (not state or r.params_hash == state)} | hinted | {self.swarm.peer_id})
             training = [p for p, r in peers.items() if r.round == round and r.state == "training" and p not in hinted]
             hinted_to = self._hint_leader(peers, round, hinted_to, ready)
             leader = ready[0]
             timed_out = time.monotonic() - started > self.gather_timeout
             can_lead = self.swarm.table_fresh or timed_out
             enough, short = can_start(ready, live, self.min_peers)
-            if hostile.BEHAVIOUR.silent_leader and leader == self.swarm.peer_id:
+            if self.hostile.silent_leader and leader == self.swarm.peer_id:
                 pass  # test-only: a leader that announces ready and never starts the round
             elif leader == self.swarm.peer_id and can_lead and enough and (not training or timed_out):
                 group = await self._lead(round, ready)
@@ -291,12 +315,14 @@ class RoundProtocol:
                         log.info("round %d starts without %d straggler(s)", round + 1, len(training))
                         self.metrics.stragglers_excluded.inc(len(training))
                     return group
+            elif leader != self.swarm.peer_id and not enough:
+                waited_for_leader.pop(leader, None)  # no quorum in our view either: nobody to blame
             elif leader != self.swarm.peer_id:
                 first_seen = waited_for_leader.setdefault(leader, time.monotonic())
                 if time.monotonic() - first_seen > leader_wait_limit:
                     log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
                     self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout)
-                    self._offence(leader, "silent_leader")
+                    self.offence(leader, "silent_leader")
                     waited_for_leader.pop(leader)
             if time.monotonic() - reported > WAIT_REPORT_SECONDS:
                 reported = time.monotonic()
@@ -329,7 +355,8 @@ class RoundProtocol:
 
         async def send():
             try:
-                await self._call(peer, "ready", {"r": round})
+                state = self._waiting.state if self._waiting is not None else ""
+                await self._call(peer, "ready", {"r": round, "h": state})
             except Exception as e:  # the DHT poll still gets the news to the leader
                 log.debug("ready hint to %s failed: %r", peer[-8:], e)
 
@@ -349,7 +376,7 @@ class RoundProtocol:
             self._ready_hints.pop(p, None)
         others = [p for p in members if p != self.swarm.peer_id]
         header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
-                  "codec": self.codec.name}
+                  "codec": self.codec.name, "h": waiting.state}
         results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
         refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
         if not refused:
@@ -362,7 +389,8 @@ class RoundProtocol:
         await self._broadcast_abort(group, "member_refused")
         self._group = None
         self.metrics.rounds_aborted.labels(reason="member_refused").inc()
-        self._waiting = _Waiting(round, waiting.flat, waiting.weight, asyncio.get_running_loop().create_future())
+        self._waiting = _Waiting(round, waiting.flat, waiting.weight, asyncio.get_running_loop().create_future(),
+                                 waiting.state)
         return None
 
     def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting) -> Group:
@@ -370,7 +398,7 @@ class RoundProtocol:
         sent = None if self.codec.exact else self._buffer("sent", numel)
         residual = self._buffer("residual", numel) if self.use_feedback else None
         return Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec,
-                     residual, sent, aggregator=self.aggregator, weight_cap=self.weight_cap)
+                     residual, sent, aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)
 
     def _install(self, group: Group) -> None:
         self._group = group
@@ -382,7 +410,7 @@ class RoundProtocol:
     async def _allreduce(self, group: Group) -> torch.Tensor:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadlines.deadline()
-        if hostile.BEHAVIOUR.abort:
+        if self.hostile.abort:
             raise RoundFailed("hostile")  # test-only: a member that aborts every group it joins
         await self.exchange.run(group, deadline)
         vote, nonce = group.digest(), os.urandom(16)
@@ -539,13 +567,16 @@ class RoundProtocol:
             return
         if numel != waiting.flat.numel():
             raise RoundFailed("bad_size")
-        ok, reason = accept_group(members, live_at(self.swarm.peers, round, self.swarm.peer_id), self.min_peers)
+        ok, reason = accept_group(members, live_peers(self.swarm.peers, self.swarm.peer_id), self.min_peers)
         if not ok:  # a leader with a stale table, or one that lies, cannot make us commit as a minority
             log.info("round %d: refusing a group of %d from %s: %s", round + 1, len(members), sender[-8:], reason)
             await reply(writer, {"ok": False, "reason": reason})
             return
         if header.get("codec") != self.codec.name:
             await reply(writer, {"ok": False, "reason": "codec_mismatch"})
+            return
+        if waiting.state and header.get("h") != waiting.state:  # another lineage of this round number
+            await reply(writer, {"ok": False, "reason": "state_mismatch"})
             return
         group = self._new_group(gid, round, members, waiting)
         self._install(group)
@@ -557,10 +588,12 @@ class RoundProtocol:
         await self.exchange.serve(group, index, header, reader, writer)
 
     async def _on_ready(self, sender: str, header: dict, reader, writer) -> None:
-        round = hfield(header, "r", int)
+        round, state = hfield(header, "r", int), header.get("h", "")
+        if not isinstance(state, str) or len(state) > 128:
+            raise WireError("bad_field", "h")
         # One hint per peer (its latest), at most 4096 peers; only for the round we wait in.
         if round >= 0 and (self._waiting is None or round >= self._waiting.round):
-            self._ready_hints[sender] = round
+            self._ready_hints[sender] = (round, state)
             self._wake.set()
         await reply(writer, {"ok": True})
 
@@ -618,9 +651,8 @@ class _Signing:
     early: list = field(default_factory=list)  # (member, public key, signature) before our own commit
 
 
-def _hostile_input(flat: torch.Tensor) -> None:
+def _hostile_input(flat: torch.Tensor, b: hostile.Behaviour) -> None:
     """Test-only (p2p/hostile.py): what a member that lies about its pseudo-gradient sends."""
-    b = hostile.BEHAVIOUR
     if b.scale is not None:
         flat.mul_(b.scale)
     if b.fill is not None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from p2p.quorum import accept_group, can_start, live_at, quorum
+from p2p.quorum import accept_group, can_start, live_peers, quorum
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -21,17 +21,18 @@ def test_quorum_is_a_strict_majority_and_min_peers_only_raises_it():
     assert quorum(4, min_peers=1) == 3 and quorum(4, min_peers=4) == 4 and quorum(2, min_peers=5) == 5
 
 
-def test_live_peers_are_those_training_at_the_round_and_me():
+def test_live_peers_are_those_training_at_any_round_and_me():
+    # Any round: a group at another round number (a minority ahead or behind) must not commit alone.
     peers = table(a=(3, "training"), b=(3, "ready"), c=(3, "averaging"), d=(3, "joining"), e=(2, "training"),
-                  f=(3, "stopped"), g=(4, "training"))
-    assert live_at(peers, 3, "me") == {"a", "b", "c", "me"}
+                  f=(3, "stopped"), g=(1004, "training"))
+    assert live_peers(peers, "me") == {"a", "b", "c", "e", "g", "me"}
 
 
 def test_survivors_of_a_kill_cannot_each_commit_alone():
     # The split brain of issue 14: 4 live peers, one killed; each survivor sees the other three
     # (the dead one's heartbeat has not expired) and only itself ready.
     peers = table(a=(1, "averaging"), b=(1, "ready"), c=(1, "ready"), dead=(1, "averaging"))
-    live = live_at(peers, 1, "a")
+    live = live_peers(peers, "a")
     assert can_start(["a"], live, 1) == (False, "1 of 4 live peers ready, 3 needed")
     assert can_start(["a", "b", "c"], live, 1) == (True, "")
 
@@ -56,3 +57,11 @@ def test_a_member_refuses_a_minority_group_from_a_stale_or_lying_leader():
 
 def test_a_ready_hint_counts_as_live_before_the_table_shows_it():
     assert can_start(["me", "b", "c"], {"me"}, 3) == (True, "")
+
+
+def test_one_peers_huge_round_token_claim_cannot_end_everybodys_round():
+    from p2p.group import counted_tokens
+
+    assert counted_tokens([100, 120, 90], mine=110) == 310  # honest claims count in full
+    assert counted_tokens([100, 2**53 - 1, 90], mine=110) == 100 + 2 * 100 + 90  # the liar: 2x the median
+    assert counted_tokens([], mine=5) == 0

@@ -368,3 +368,26 @@ async def test_a_ready_hint_counts_for_one_attempt_only():
         assert all(r is not None and torch.equal(r[0], torch.full((3,), 0.5)) for r in res)
     finally:
         await stop_peers(peers)
+
+
+async def test_members_sign_the_committed_round_into_a_certificate_that_holds():
+    peers = await start_peers(3, min_peers=3)
+    try:
+        rounds = [r for _, r, _ in peers]
+        results = await asyncio.wait_for(asyncio.gather(*(r.average([torch.ones(8) * i], 1.0, 0)
+                                                          for i, r in enumerate(rounds))), 60)
+        assert all(res is not None for res in results)
+        # One member applies the round later than the others: their signatures wait for it.
+        await asyncio.gather(*(r.certify("genesis", "h1") for r in rounds[:2]))
+        await asyncio.sleep(0.2)
+        await rounds[2].certify("genesis", "h1")
+        for _ in range(100):
+            if all(1 in r.commits.certs and len(r.commits.certs[1].signers) == 3 for r in rounds):
+                break
+            await asyncio.sleep(0.05)
+        for (_, r, m) in peers:
+            cert = r.commits.certs[1]
+            assert cert.holds() and cert.signers == set(cert.members) and (cert.prev, cert.new) == ("genesis", "h1")
+            assert rejected(m, "bad_certificate") == 0
+    finally:
+        await stop_peers(peers)

@@ -18,26 +18,40 @@ def table(*records: PeerRecord) -> dict[str, PeerRecord]:
     return {r.peer_id: r for r in records}
 
 
-def test_the_state_to_follow_is_the_one_a_majority_of_the_other_peers_holds():
-    peers = table(rec("a", 3, "x"), rec("b", 3, "y"), rec("c", 3, "y"), rec("d", 2, "z"))
-    assert follow(peers, "me") is None  # y has 2 of 4: no majority
-    peers["e"] = rec("e", 3, "y")
-    assert follow(peers, "me") == (3, "y", ["b", "c", "e"])
-    assert follow(table(rec("b", 3, "y")), "me") == (3, "y", ["b"])  # a swarm of two: the other peer
+def test_a_peer_moves_on_when_a_majority_of_the_others_is_ahead():
+    # Mid-commit the others show different rounds: a majority ahead is enough to be behind,
+    # and the most held state (then the newest) is tried first.
+    peers = table(rec("a", 4, "x"), rec("b", 4, "x"), rec("c", 3, "y"), rec("d", 2, "z"))
+    assert follow(peers, "me", (2, "z")) == ("behind", [(4, "x", ["a", "b"]), (3, "y", ["c"])])
+    assert follow(table(rec("b", 3, "y")), "me", (2, "z")) == ("behind", [(3, "y", ["b"])])  # a swarm of two
+    # Two of four others ahead is no majority, but with us it would be one: patient peers go.
+    peers = table(rec("a", 4, "x"), rec("b", 4, "x"), rec("c", 2, "z"), rec("d", 2, "z"))
+    assert follow(peers, "me", (2, "z")) == ("", [])
+    assert follow(peers, "me", (2, "z"), patient=True)[0] == "behind"
+
+
+def test_a_peer_that_diverged_follows_the_majority_of_its_round():
+    peers = table(rec("a", 3, "y"), rec("b", 3, "y"), rec("c", 3, "x"))
+    assert follow(peers, "me", (3, "x")) == ("diverged", [(3, "y", ["a", "b"])])
+    assert follow(peers, "me", (3, "y")) == ("", [])
 
 
 def test_one_peer_or_a_minority_announcing_a_newer_round_is_not_followed():
     honest = [rec(p, 4, "o") for p in "abc"]
-    assert follow(table(*honest, rec("liar", 1004, "zeros")), "me") == (4, "o", ["a", "b", "c"])
+    assert follow(table(*honest, rec("liar", 1004, "zeros")), "me", (4, "o"), patient=True) == ("", [])
     liars = [rec(p, 1004, "zeros") for p in ("l1", "l2")]
-    assert follow(table(*honest, *liars), "me") == (4, "o", ["a", "b", "c"])
-    assert follow(table(*honest[:2], *liars), "me") is None  # half is no majority either
+    assert follow(table(*honest, *liars), "me", (4, "o"), patient=True) == ("", [])
+    # Behind the honest peers: their state first; the liars' comes later and has no certificates.
+    why, candidates = follow(table(*honest, *liars), "me", (3, "n"))
+    assert why == "behind" and candidates[0] == (4, "o", ["a", "b", "c"])
+    # Quarantined peers vouch for nothing (and still count among the live).
+    assert follow(table(*honest[:1], *liars), "me", (3, "n"), patient=True, excluded={"l1", "l2"}) == ("", [])
 
 
 def test_joiners_and_stopped_peers_do_not_vote():
     peers = table(rec("a", 5, "n"), rec("j", 9, "q", state="joining"), rec("s", 9, "q", state="stopped"))
-    assert follow(peers, "me") == (5, "n", ["a"])
-    assert follow(table(rec("j", 0, "q", state="joining")), "me") is None
+    assert follow(peers, "me", (0, "g")) == ("behind", [(5, "n", ["a"])])
+    assert follow(table(rec("j", 0, "q", state="joining")), "me", (0, "g")) == ("", [])
 
 
 def test_heartbeat_validation_rejects_garbage():

@@ -1,0 +1,461 @@
+"""Attack run: a local swarm of honest peers with hostile members, against a clean run.
+
+Starts N honest `gonka-node start` processes on loopback, plus K hostile ones
+(``GONKA_TEST_HOSTILE=KIND``, see p2p/hostile.py) whose peer ids sort first, so
+they lead every round they are ready for, until every honest peer
+holds --rounds committed rounds (or --duration runs out). Before that it runs
+the same honest peers (same identities, so the same data shards; same seed and
+settings) with no hostile peer: the clean run the attacked one is measured
+against. ``--kinds all`` runs one hostile kind after another, each in a fresh
+swarm, after one shared clean run. Per scenario it reports:
+
+- rounds committed vs attempted (distinct groups in the honest peers' logs);
+- hostile states adopted: an honest peer that re-synced to, or ends on, a state
+  the hostile announced or that no honest peer committed (0 is the goal);
+- whether the honest peers end on one (round, params_hash), and any round two
+  honest peers committed with different hashes;
+- the honest eval loss after the same number of rounds as the clean run;
+- rejected messages and quarantines by reason, summed over the honest peers'
+  /metrics; abort reasons and who quarantined whom (an honest peer
+  quarantined by another is a false accusation) from their logs; the longest
+  time an honest peer went without committing; errors (a traceback, an ERROR
+  line, an early exit) in any peer's log.
+
+Writes DIR/attack.json and the log of every peer (DIR/<scenario>/<peer>/node.log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from localswarm import LocalNode  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from node.control import request  # noqa: E402
+from p2p import hostile  # noqa: E402
+from p2p.identity import generate_identity, load_or_create_identity, peer_id_from_key  # noqa: E402
+from trainer.files import atomic_write  # noqa: E402
+
+# The chaos run's timings (README, "Fault tolerance"): a stalled or lying peer costs seconds, not minutes.
+HEARTBEAT, REQUEST, ROUND, GATHER = 1.0, 5.0, 20.0, 20.0
+# A survivor's bound on a wait without a commit after a fault (README, "Fault tolerance"), plus
+# start-up: a longer wait is reported as a stall.
+BOUND = ROUND + max(3 * HEARTBEAT, REQUEST) + ROUND + 30
+# One hostile member of each kind p2p/hostile.py knows, with the values of the issue's first trial.
+ALL = ("scale=-1000", "fill=1e30", "weight=1e30", "abort", "silent_leader", "alter_slice", "fake_state", "flood")
+GOALS = {"adopted": 0, "committed_fraction": 0.90, "eval_within": 0.02}
+
+COMMITTED = re.compile(r"committed round=(\d+) hash=([0-9a-f]+) members=(\d+) group=(\w+) .*?eval_loss=(\S+)")
+ABORTED = re.compile(r"aborted round=(\d+) group=(\w+) reason=(\w+)")
+RESYNCED = re.compile(r"resynced round=(\d+) hash=([0-9a-f]+) reason=(\w+)")
+QUARANTINED = re.compile(r"^(\S+ \S+),\d+ WARN\S* p2p.rounds: quarantined peer (\w+) for \S+: (\w+)", re.M)
+REFUSED = re.compile(r"not following round (\d+) \(([0-9a-f]+)\)")
+CRASH = re.compile(r"^(Traceback .*|.* (ERROR|CRITICAL) .*)$", re.M)
+METRIC = re.compile(r'^gonka_node_(rejected_messages|quarantined|state_downloads)_total\{(?:reason|result)="(\w+)"\} (\S+)', re.M)
+H = 16  # hash prefix compared: logs, status and heartbeats all carry the full digest
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--honest", type=int, default=5, help="honest peers (default 5)")
+    p.add_argument("--hostile", action="append", default=[], metavar="KIND[,KIND...]",
+                   help="one hostile peer with these behaviours, e.g. scale=-1000 or fake_state; repeatable: "
+                        "all of them join one swarm")
+    p.add_argument("--kinds", nargs="+", metavar="KIND",
+                   help=f"'all' ({' '.join(ALL)}) or a list: one swarm per kind, one hostile peer each")
+    p.add_argument("--rounds", type=int, default=20, help="stop once every honest peer holds this round (default 20)")
+    p.add_argument("--duration", type=float, default=360, help="at most this many seconds per swarm (default 360)")
+    p.add_argument("--inner-steps", type=int, default=10)
+    p.add_argument("--min-peers", type=int, default=3, help="--min-peers of every peer (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="--seed of every peer (model and data order)")
+    p.add_argument("--no-clean", action="store_true", help="skip the clean run (no eval-loss comparison)")
+    p.add_argument("--out", default="", help="output directory (default runs/attack-<time>)")
+    a = p.parse_args()
+    if a.honest < 3 or a.rounds < 1 or a.duration <= 0 or a.inner_steps < 1 or a.min_peers < 1:
+        p.error("need --honest >= 3 and positive --rounds, --duration, --inner-steps, --min-peers")
+    if a.kinds and a.hostile:
+        p.error("give either --hostile (one swarm) or --kinds (one swarm per kind)")
+    kinds = list(ALL) if a.kinds == ["all"] else a.kinds
+    a.scenarios = [[k] for k in kinds] if kinds else [a.hostile] if a.hostile else []
+    if not a.scenarios:
+        p.error("name the hostile peers: --hostile KIND (repeatable) or --kinds all")
+    for spec in (s for sc in a.scenarios for s in sc):
+        try:
+            if not hostile.parse(spec).any:
+                p.error(f"empty hostile kind {spec!r}")
+        except ValueError as e:
+            p.error(str(e))
+    return a
+
+
+def leading_key(path: Path, below: str) -> None:
+    """Create the key file of a hostile peer whose peer id sorts before ``below``: a round's leader
+    is its lowest ready peer id (p2p/rounds.py), and ids are cheap to grind, so an attacker leads
+    every round it is ready for. Existing files are kept (the same hostile id every scenario)."""
+    if path.exists():
+        return
+    best = generate_identity()
+    for _ in range(500):
+        if peer_id_from_key(best) < below:
+            break
+        best = min(best, generate_identity(), key=peer_id_from_key)
+    else:
+        print(f"  {path.name}: no peer id below {below[:8]} in 500 tries; it leads only some rounds", file=sys.stderr)
+    atomic_write(str(path), lambda f: f.write(best), overwrite=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# How a hostile peer starts: `gonka-node start` with GONKA_TEST_HOSTILE read by p2p/hostile.py,
+# then removed before the config loader sees it (it takes every GONKA_* variable for a setting,
+# and GONKA_TEST_HOSTILE is not exempt: a node started with it exits 2, "unknown setting").
+LIAR = f"""import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+os.environ[{hostile.ENV!r}] = sys.argv.pop(1)
+from p2p import hostile
+del os.environ[{hostile.ENV!r}]
+from node.cli import main
+sys.argv[0] = "gonka-node"
+sys.exit(main())
+"""
+
+
+class HostileNode(LocalNode):
+    """A LocalNode whose process lies as ``spec`` says (p2p/hostile.py)."""
+
+    def __init__(self, directory: Path, args: list[str], spec: str):
+        self.dir = directory
+        self.log_path = self.dir / "node.log"
+        self.status_path = self.dir / "status.json"
+        self.control = str(self.dir / "control.sock")
+        cmd = [sys.executable, "-c", LIAR, spec, "start", "--status-file", str(self.status_path),
+               "--control", self.control, "--identity", str(self.dir / "identity.key"), *args]
+        self._log = open(self.log_path, "ab")
+        self.started = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+class Peer:
+    """One node of a scenario: its process, identity, metrics port and what was seen of it."""
+
+    def __init__(self, name: str, key: Path, spec: str | None):
+        self.name, self.key, self.spec = name, key, spec
+        self.peer_id = load_or_create_identity(str(key))
+        self.port = free_port()
+        self.node: LocalNode | None = None
+        self.metrics = ""  # the last /metrics text scraped
+        self.exit: int | None = None
+        self.died_at: float | None = None  # seconds into the run, if it exited before the end
+
+    def start(self, directory: Path, node_args: list[str], bootstrap: str | None) -> LocalNode:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.key, directory / "identity.key")  # the same peer id, so the same data shard, every run
+        args = [*node_args, "--metrics-addr", f"127.0.0.1:{self.port}"]
+        if bootstrap:
+            args += ["--bootstrap", bootstrap]
+        self.node = HostileNode(directory, args, self.spec) if self.spec else LocalNode(directory, args)
+        return self.node
+
+    def scrape(self) -> None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+                self.metrics = r.read().decode()
+        except OSError:
+            pass
+
+
+class Scenario:
+    """One fresh swarm: the honest peers and the hostile ones (none for the clean run)."""
+
+    def __init__(self, name: str, args: argparse.Namespace, out: Path, honest: list[Peer], hostile_: list[Peer]):
+        self.name, self.args, self.dir = name, args, out / name
+        self.honest, self.hostile = honest, hostile_
+        self.announced: set[tuple[int, str]] = set()  # (round, hash) the hostile peers announced
+        self.node_args = [
+            "--run-id", "attack", "--model", "tiny", "--inner-steps", str(args.inner_steps), "--threads", "1",
+            "--seed", str(args.seed), "--min-peers", str(args.min_peers),
+            "--set", f"swarm.heartbeat_interval={HEARTBEAT}", "--set", f"swarm.request_timeout={REQUEST}",
+            "--set", f"swarm.round_timeout={ROUND}", "--set", f"swarm.gather_timeout={GATHER}",
+            "--set", "data.batch_size=4", "--set", "data.seq_len=64", "--set", "data.eval_every=1",
+        ]
+
+    @property
+    def peers(self) -> list[Peer]:
+        return self.honest + self.hostile
+
+    def run(self) -> dict:
+        t0 = time.time()
+        first = self.honest[0].start(self.dir / self.honest[0].name, self.node_args, None)
+        addr = first.address(timeout=180)
+        if addr is None:
+            raise SystemExit(f"{self.name}: first peer did not start:\n{first.log()[-2000:]}")
+        for p in self.peers[1:]:
+            p.start(self.dir / p.name, self.node_args, addr)
+        print(f"{self.name}: {len(self.honest)} honest + {len(self.hostile)} hostile peers "
+              f"({', '.join(p.spec for p in self.hostile) or 'none'}), until round {self.args.rounds}", flush=True)
+        end, last_poll = t0 + self.args.duration, 0.0
+        while time.time() < end and min(self.held_round(p) for p in self.honest) < self.args.rounds:
+            time.sleep(1.0)
+            if time.time() - last_poll >= 3.0:
+                last_poll = time.time()
+                self.poll(t0)
+        reached = min(self.held_round(p) for p in self.honest)
+        final = self.settle(timeout=60)
+        for p in self.peers:
+            p.scrape()
+        elapsed = time.time() - t0
+        stop(self.peers)
+        return self.report(final, reached, t0, elapsed)
+
+    def held_round(self, p: Peer) -> int:
+        events = p.node.events() if p.node else []
+        return max((r for _, _, r, _ in events), default=0)
+
+    def poll(self, t0: float) -> None:
+        """Record what the hostile peers announce (from an honest peer's table), scrape
+        metrics, and note any peer that exited."""
+        for p in self.peers:
+            if p.node and not p.node.alive() and p.died_at is None:
+                p.died_at = round(time.time() - t0, 1)
+                print(f"  {p.name} exited (code {p.node.proc.returncode}) at t={p.died_at}s", flush=True)
+        ids = {p.peer_id for p in self.hostile}
+        for p in self.honest:
+            if ids and p.node.alive():
+                try:
+                    table = request(p.node.control, "peers", timeout=2.0)
+                except (ConnectionError, RuntimeError):
+                    continue
+                self.announced |= {(e["round"], e["params_hash"][:H]) for e in table
+                                   if e.get("peer_id") in ids and e.get("params_hash")}
+                break
+        for p in self.honest:
+            p.scrape()
+
+    def settle(self, timeout: float) -> dict:
+        """Wait until every honest peer answers with the same (round, params_hash)."""
+        deadline, states = time.time() + timeout, {}
+        while time.time() < deadline:
+            states = {p.name: p.node.live_status() for p in self.honest}
+            keys = {(s["round"], s["params_hash"]) for s in states.values() if s}
+            if len(keys) == 1 and all(states.values()):
+                (round_, h), = keys
+                return {"agree": True, "round": round_, "params_hash": h}
+            time.sleep(0.2)
+        return {"agree": False, "peers": {n: s and {"round": s["round"], "params_hash": s["params_hash"]}
+                                          for n, s in states.items()}}
+
+    def report(self, final: dict, reached: int, t0: float, elapsed: float) -> dict:
+        logs = {p.name: p.node.log() for p in self.peers}
+        honest = [p.name for p in self.honest]
+        commits = {n: [(int(r), h[:H], int(m), g, float(e)) for r, h, m, g, e in COMMITTED.findall(logs[n])]
+                   for n in honest}
+        aborts = {n: ABORTED.findall(logs[n]) for n in honest}
+        resyncs = {n: [(int(r), h[:H], why) for r, h, why in RESYNCED.findall(logs[n])] for n in honest}
+        committed_states = {(r, h) for c in commits.values() for r, h, *_ in c}
+        groups_ok = {g for c in commits.values() for *_, g, _ in c}
+        groups = groups_ok | {g for a in aborts.values() for _, g, _ in a}
+        by_round: dict[int, dict[str, list[str]]] = {}  # round -> hash -> honest peers that committed it
+        for n, c in commits.items():
+            for r, h, *_ in c:
+                by_round.setdefault(r, {}).setdefault(h, []).append(n)
+        adopted = []
+        hostile_only = self.announced - committed_states
+        for n in honest:
+            held = [("resynced", r, h) for r, h, _ in resyncs[n]]
+            s = final.get("peers", {}).get(n) if not final["agree"] else final
+            if s:
+                held.append(("final", s["round"], s["params_hash"][:H]))
+            for event, r, h in held:
+                if (r, h) in hostile_only or (r > 0 and (r, h) not in committed_states):
+                    why = "announced by a hostile peer" if (r, h) in self.announced else "committed by no honest peer"
+                    adopted.append({"peer": n, "event": event, "round": r, "hash": h, "why": why})
+        reasons: dict[str, int] = {}
+        for a in aborts.values():
+            for _, _, why in a:
+                reasons[why] = reasons.get(why, 0) + 1
+        counters: dict[str, dict[str, float]] = {}
+        for p in self.honest:
+            for metric, label, value in METRIC.findall(p.metrics):
+                if float(value):
+                    counters.setdefault(metric, {})
+                    counters[metric][label] = counters[metric].get(label, 0) + float(value)
+        # Who quarantined whom (peer ids appear by their last 8 characters): an honest peer
+        # quarantined by another honest peer is a false accusation.
+        names = {p.peer_id[-8:]: p.name for p in self.peers}
+        quarantines = [{"by": n, "peer": names.get(q, q), "reason": why, "at": stamp}
+                       for n in honest for stamp, q, why in QUARANTINED.findall(logs[n])]
+        gaps = {}
+        for p in self.honest:  # the longest time the peer went without committing or re-syncing
+            times = [p.node.started] + [t for t, *_ in p.node.events()] + [t0 + elapsed]
+            gaps[p.name] = round(max(b - a for a, b in zip(times, times[1:])), 1)
+        errors: dict[str, int] = {}  # "peer: line without its time stamp" -> how often
+        for n, text in logs.items():
+            for line, _ in CRASH.findall(text):
+                key = f"{n}: {re.sub(r'^[-0-9]+ [0-9:,]+ ', '', line)[:300]}"
+                errors[key] = errors.get(key, 0) + 1
+        exits = {p.name: p.exit for p in self.peers}
+        died = {p.name: p.died_at for p in self.peers if p.died_at is not None}
+        return {
+            "scenario": self.name,
+            "hostile": [p.spec for p in self.hostile],
+            "peer_ids": {p.name: p.peer_id for p in self.peers},
+            "seconds": round(elapsed, 1),
+            "round_reached": reached,
+            "attempts": len(groups),
+            "attempts_committed": len(groups_ok),
+            "committed_fraction": round(len(groups_ok) / max(1, len(groups)), 4),
+            "commits_per_peer": {n: len(commits[n]) for n in honest},
+            "aborts_per_peer": {n: len(aborts[n]) for n in honest},
+            "abort_reasons": reasons,
+            "resyncs": {n: resyncs[n] for n in honest if resyncs[n]},
+            "refused_to_follow": sum(len(REFUSED.findall(logs[n])) for n in honest),
+            "hostile_announced": sorted(self.announced)[-5:],
+            "hostile_states_adopted": adopted,
+            # Rounds honest peers committed with different hashes. README ("Fault tolerance") allows
+            # one kind: a member that heard every vote commits an attempt the others then abort; it is
+            # a minority at that round and re-syncs. Two groups of a majority each never may.
+            "forks": {r: hs for r, hs in sorted(by_round.items()) if len(hs) > 1},
+            "final": final,
+            "eval_loss": {r: statistics.median(e for n in honest for rr, _, _, _, e in commits[n] if rr == r)
+                          for r in sorted(by_round)},
+            "counters": counters,
+            "quarantines": quarantines,
+            "honest_quarantined": [q for q in quarantines if q["peer"] in honest],
+            "longest_wait_s": gaps,
+            "errors": errors,
+            "exit_codes": exits,
+            "died_early": died,
+        }
+
+
+def stop(peers: list[Peer], timeout: float = 30) -> None:
+    """SIGTERM every live peer at once, wait, SIGKILL whoever is left (by pid)."""
+    nodes = [p for p in peers if p.node is not None]
+    for p in nodes:
+        if p.node.alive():
+            p.node.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + timeout
+    for p in nodes:
+        try:
+            p.node.proc.wait(max(0.1, deadline - time.time()))
+        except Exception:
+            pass
+        p.exit = p.node.stop(signal.SIGKILL, timeout=10)
+
+
+def compare(result: dict, clean: dict | None) -> None:
+    """Add the eval-loss comparison (at the last round both runs hold) and the goals."""
+    r = result
+    r["goals"] = {"no_state_adopted": not r["hostile_states_adopted"],
+                  "committed_fraction": r["committed_fraction"] >= GOALS["committed_fraction"],
+                  "agree": r["final"]["agree"],
+                  "no_honest_quarantined": not r["honest_quarantined"],
+                  "no_stall": max(r["longest_wait_s"].values()) <= BOUND}
+    if clean is None:
+        return
+    common = sorted(set(r["eval_loss"]) & set(clean["eval_loss"]))
+    if common:
+        at = common[-1]
+        ours, theirs = r["eval_loss"][at], clean["eval_loss"][at]
+        r["eval_vs_clean"] = {"round": at, "eval_loss": ours, "clean_eval_loss": theirs,
+                              "relative": round(ours / theirs - 1, 4)}
+        r["goals"]["eval_within"] = abs(ours / theirs - 1) <= GOALS["eval_within"]
+
+
+def top(counts: dict[str, float], n: int = 3) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:n]) or "-"
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'hostile':<14} {'committed':>14} {'adopted':>7} {'agree':>5} {'eval vs clean':>22} {'honest q.':>9} "
+          f"{'max wait':>8}  rejected / quarantined (summed over the honest peers)")
+    for r in results:
+        ev = r.get("eval_vs_clean")
+        evs = f"{ev['eval_loss']:.4f} ({100 * ev['relative']:+.2f}%) @{ev['round']}" if ev else "-"
+        c = r["counters"]
+        print(f"{'+'.join(r['hostile']) or 'clean':<14} {r['attempts_committed']:>4}/{r['attempts']:<4} "
+              f"{100 * r['committed_fraction']:3.0f}% {len(r['hostile_states_adopted']):>7} "
+              f"{'yes' if r['final']['agree'] else 'NO':>5} {evs:>22} {len(r['honest_quarantined']):>9} "
+              f"{max(r['longest_wait_s'].values()):>7.0f}s  "
+              f"{top(c.get('rejected_messages', {}))} / {top(c.get('quarantined', {}))}")
+        for what in ("hostile_states_adopted", "forks", "honest_quarantined", "errors", "died_early"):
+            if r[what]:
+                print(f"    {what}: {json.dumps(r[what])[:600]}")
+
+
+def code_version() -> dict:
+    """The commit the peers ran, and the files that differed from it (uncommitted work)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"), "modified": git("status", "--porcelain", "-uno").splitlines()}
+
+
+def main() -> int:
+    args = parse_args()
+    for var in (hostile.ENV, "GONKA_TEST_FAULT"):  # honest peers must not inherit a lie or a fault
+        os.environ.pop(var, None)
+    out = Path(args.out or ROOT / "runs" / time.strftime("attack-%Y%m%d-%H%M%S"))
+    (out / "keys").mkdir(parents=True, exist_ok=True)
+    honest = [Peer(f"honest{i}", out / "keys" / f"honest{i}.key", None) for i in range(args.honest)]
+    scenarios = []
+    if not args.no_clean:
+        scenarios.append(("clean", []))
+    for i, specs in enumerate(args.scenarios):
+        name = re.sub(r"[^\w.+-]", "_", "+".join(specs))
+        for j in range(len(specs)):
+            leading_key(out / "keys" / f"hostile{j}.key", below=min(p.peer_id for p in honest))
+        hostiles = [Peer(f"hostile{j}", out / "keys" / f"hostile{j}.key", s) for j, s in enumerate(specs)]
+        scenarios.append((f"{i + 1:02d}-{name}", hostiles))
+    results: list[dict] = []
+    code = code_version()
+    clean = None
+    running: list[Peer] = []
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        for name, hostiles in scenarios:
+            for p in honest:
+                p.node, p.metrics, p.exit, p.died_at = None, "", None, None
+            running[:] = honest + hostiles
+            result = Scenario(name, args, out, honest, hostiles).run()
+            if name == "clean":
+                clean = result
+            compare(result, clean)
+            results.append(result)
+            (out / "attack.json").write_text(json.dumps({"args": vars(args), "code": code, "goals": GOALS,
+                                                         "results": results}, indent=2) + "\n")
+            print_table(results[-1:])
+    except KeyboardInterrupt:
+        print("interrupted: stopping every peer", file=sys.stderr)
+        return 130
+    finally:
+        stop(running, timeout=10)
+    print_table(results)
+    print(f"details in {out / 'attack.json'}")
+    bad = [r for r in results if r["hostile"] and not all(r["goals"].values())]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

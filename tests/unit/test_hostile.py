@@ -1,0 +1,239 @@
+"""Hostile members against the round protocol: real swarms of this process (p2pd, DHT, streams),
+one member lying the way an attacker would (p2p/hostile.py), the others honest.
+
+Each test ends asserting what the honest members applied: the same bits everywhere, and
+nothing the hostile member could steer beyond the bound the design promises."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from p2p.compression import part_bounds
+from p2p.hostile import Behaviour
+from tests.unit.test_rounds import rejected, start_peers, stop_peers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def quarantined(metrics, reason: str) -> float:
+    return metrics.registry.get_sample_value("gonka_node_quarantined_total", {"reason": reason}) or 0.0
+
+
+async def settle(peers) -> None:
+    """Until every peer's table shows every other peer (a round needs a majority of those it sees)."""
+    for _ in range(200):
+        tables = [await s.refresh_peers() for s, _, _ in peers]
+        if all(len(t) == len(peers) - 1 for t in tables):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the peers never saw each other")
+
+
+async def attempt(rounds_list, inputs, weight=1.0, round=0, timeout=60):
+    """One average call on each of ``rounds_list``; their results (None where aborted)."""
+    return await asyncio.wait_for(asyncio.gather(*(r.average([x], weight, round) for r, x in zip(rounds_list, inputs))),
+                                  timeout)
+
+
+def honest_inputs(n: int, numel: int = 4096, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(numel, generator=gen)
+    return [base + 0.3 * torch.randn(numel, generator=gen) for _ in range(n)]
+
+
+@pytest.mark.parametrize("lie", [Behaviour(fill=1e30), Behaviour(fill=3.4e38), Behaviour(fill=-3.4e38),
+                                 Behaviour(scale=1e4), Behaviour(scale=-10.0), Behaviour(scale=-1000.0, weight=1e30)],
+                         ids=["1e30", "+3.4e38", "-3.4e38", "1e4x", "-10x", "-1000x-weight1e30"])
+async def test_one_hostile_member_among_five_moves_the_average_a_bounded_amount(lie):
+    peers = await start_peers(5, min_peers=5, aggregator="clip")
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        rounds[2].hostile = lie
+        inputs = honest_inputs(5)
+        results = await attempt(rounds, [x.clone() for x in inputs])
+        assert all(res is not None for res in results), [r.last for r in rounds]
+        assert all(torch.equal(res[0], results[0][0]) for res in results)  # one average, everywhere
+        honest = [x for i, x in enumerate(inputs) if i != 2]
+        honest_mean = torch.stack(honest).mean(0)
+        scale = max(float(x.norm()) for x in honest)
+        moved = float((results[0][0] - honest_mean).norm())
+        # The hostile piece is clipped to the median norm and its weight to twice the median:
+        # at most 2/6 of (its clipped norm + the honest mean's) away.
+        assert torch.isfinite(results[0][0]).all() and moved <= 0.7 * scale, (moved, scale)
+    finally:
+        await stop_peers(peers)
+
+
+async def test_a_weight_above_the_rounds_cap_is_capped_counted_and_quarantined():
+    peers = await start_peers(3, min_peers=3)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        for r in rounds:
+            r.weight_cap = 100.0
+        rounds[0].hostile = Behaviour(weight=1e30)
+        inputs = [torch.full((64,), float(i)) for i in range(3)]
+        results = await attempt(rounds, inputs)
+        assert all(res is not None for res in results)
+        # Capped at 100 against the others' 1 each: 100/102 of the liar's values, not all of them,
+        # in the parts honest members own (the liar's own part is its own business: it counted
+        # itself with its real weight, and declared that).
+        expected = (100 * inputs[0] + inputs[1] + inputs[2]) / 102
+        members = sorted(s.peer_id for s, _, _ in peers)
+        for index, (start, end) in enumerate(part_bounds(64, 3)):
+            if members[index] != peers[0][0].peer_id:
+                assert torch.allclose(results[1][0][start:end], expected[start:end], atol=1e-5)
+        for _, r, m in peers[1:]:
+            assert rejected(m, "weight_capped") == 1 and quarantined(m, "weight_capped") == 1
+            assert r.quarantine.quarantined(peers[0][0].peer_id, time.monotonic())
+    finally:
+        await stop_peers(peers)
+
+
+async def test_a_negative_weight_aborts_the_attempt_and_the_others_commit_without_the_liar():
+    peers = await start_peers(4)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        liar = peers[1][0].peer_id
+        rounds[1].hostile = Behaviour(weight=-5.0)
+        inputs = honest_inputs(4, 256)
+        honest = [rounds[0], rounds[2], rounds[3]]
+        # The liar keeps trying too; it still heartbeats, so it counts in the quorum (3 of 4 live).
+        liar_task = asyncio.ensure_future(_keep_averaging(rounds[1], inputs[1]))
+        for attempt_no in range(1, 6):
+            results = await attempt(honest, [inputs[0], inputs[2], inputs[3]], timeout=90)
+            if all(res is not None for res in results):
+                break
+        assert attempt_no <= 3, attempt_no  # whoever saw its weight left it out at once
+        assert all(torch.equal(res[0], results[0][0]) for res in results)
+        assert all(liar not in r.last.members and len(r.last.members) == 3 for r in honest)
+        assert sum(r.quarantine.quarantined(liar, time.monotonic()) for r in honest) >= 1
+        liar_task.cancel()
+        await asyncio.gather(liar_task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)
+
+
+async def _keep_averaging(rounds, x):
+    while True:
+        await rounds.average([x], 1.0, 0)
+        await asyncio.sleep(0.1)
+
+
+async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same_round():
+    peers = sorted(await start_peers(3, min_peers=1), key=lambda p: p[0].peer_id)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        owner = peers[1][0].peer_id
+        rounds[1].hostile = Behaviour(alter_slice=True)
+        inputs = honest_inputs(3, 2048)
+        results = await attempt(rounds, inputs)
+        assert results == [None, None, None]  # nothing applied anywhere
+        assert all(r.last.status == "aborted" for r in rounds)
+        # Member 2 audits member 1's part: it recomputed the piece, blamed the owner, and says so.
+        _, auditor, metrics = peers[2]
+        assert rejected(metrics, "audit_failed") == 1 and quarantined(metrics, "audit_failed") == 1
+        assert auditor.quarantine.quarantined(owner, time.monotonic())
+        # The next attempt the auditor leads or joins leaves the owner out; the honest pair commits.
+        rounds[0].quarantine.offence(owner, "audit_failed", time.monotonic())  # as if it had audited too
+        task = asyncio.ensure_future(rounds[1].average([inputs[1]], 1.0, 0))
+        results = await attempt([rounds[0], rounds[2]], [inputs[0], inputs[2]])
+        assert all(res is not None for res in results) and torch.equal(results[0][0], results[1][0])
+        assert owner not in rounds[0].last.members
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)
+
+
+async def test_a_member_that_always_aborts_is_quarantined_after_three_strikes():
+    peers = await start_peers(4)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        aborter = peers[3][0].peer_id
+        rounds[3].hostile = Behaviour(abort=True)
+        inputs = honest_inputs(4, 256)
+        honest = rounds[:3]
+        task = asyncio.ensure_future(_keep_averaging(rounds[3], inputs[3]))
+        for attempt_no in range(1, 8):
+            results = await attempt(honest, inputs[:3], timeout=90)
+            if all(res is not None for res in results):
+                break
+        # Three aborts (strikes) at most, then groups without it.
+        assert attempt_no <= 4, attempt_no
+        assert all(torch.equal(res[0], results[0][0]) for res in results)
+        assert all(aborter not in r.last.members for r in honest)
+        assert any(r.quarantine.quarantined(aborter, time.monotonic()) for r in honest)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)
+
+
+async def test_a_leader_that_never_sends_begin_is_left_out_and_the_others_commit():
+    peers = sorted(await start_peers(3, gather_timeout=2.0, request_timeout=2.0), key=lambda p: p[0].peer_id)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        leader = peers[0][0].peer_id  # the smallest id leads
+        rounds[0].hostile = Behaviour(silent_leader=True)
+        inputs = honest_inputs(3, 256)
+        task = asyncio.ensure_future(rounds[0].average([inputs[0]], 1.0, 0))
+        started = time.monotonic()
+        results = await attempt(rounds[1:], inputs[1:], timeout=90)
+        assert all(res is not None for res in results) and torch.equal(results[0][0], results[1][0])
+        assert all(leader not in r.last.members for r in rounds[1:])
+        # Whoever waited out the leader suspects it (a strike: quarantined after three).
+        assert any(leader in r._suspects for r in rounds[1:])
+        assert time.monotonic() - started < 60
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)
+
+
+async def test_a_stream_flood_is_refused_per_peer_and_rounds_go_on():
+    peers = await start_peers(3, max_streams_per_peer=8)
+    try:
+        (_, ra, ma), (_, rb, mb), (flooder, rc, _) = peers
+        rc.hostile = Behaviour(flood=True)
+        rc._flood_task = asyncio.ensure_future(rc._flood())
+        for _ in range(200):
+            if rejected(ma, "stream_flood") and rejected(mb, "stream_flood"):
+                break
+            await asyncio.sleep(0.05)
+        assert rejected(ma, "stream_flood") > 0 and rejected(mb, "stream_flood") > 0
+        assert ra.swarm.streams.open_streams(flooder.peer_id) <= 8
+        # Suspected? No: a flood only costs the flooder its own streams; a and b still average.
+        results = await attempt([ra, rb], honest_inputs(2, 256))
+        assert all(res is not None for res in results) and torch.equal(results[0][0], results[1][0])
+    finally:
+        if rc._flood_task is not None:
+            rc._flood_task.cancel()
+        await stop_peers(peers)
+
+
+async def test_an_oversized_declared_frame_is_refused_before_any_payload_arrives():
+    peers = await start_peers(2)
+    try:
+        (a, _, ma), (b, rb, _) = peers
+        _, reader, writer = await rb._open(a.peer_id, "vote")
+        writer.write((4).to_bytes(4, "big") + (64 << 20).to_bytes(4, "big"))  # a 4-byte header, 64 MiB payload
+        await writer.drain()
+        for _ in range(100):
+            if rejected(ma, "oversized_payload"):
+                break
+            await asyncio.sleep(0.05)
+        assert rejected(ma, "oversized_payload") == 1
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # and the stream is closed on us
+        writer.close()
+    finally:
+        await stop_peers(peers)
