@@ -13,7 +13,8 @@ PEER = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 
 def parts(**changes):
     base = dict(model_config={"model_type": "llama", "hidden_size": 64}, init_hash="ab" * 16, tokenizer="bytes",
-                data="cd" * 8, seq_len=64, codec="fp32", outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+                data="cd" * 8, seq_len=64, codec="fp32", outer_lr=0.7, outer_momentum=0.9, nesterov=True,
+                rounds="agg=clip,cap=relative")
     base.update(changes)
     return run_fingerprint(**base)
 
@@ -23,7 +24,7 @@ def test_each_part_changes_the_digest_and_is_named():
     assert mine.digest == parts().digest and mine.difference(parts().parts) == "same parts, another digest"
     changes = {"model": dict(model_config={"model_type": "llama", "hidden_size": 32}), "init": dict(init_hash="ef" * 16),
                "tokenizer": dict(tokenizer="0123" * 16), "data": dict(data="ee" * 8), "seq_len": dict(seq_len=128),
-               "codec": dict(codec="int4"), "outer": dict(outer_lr=0.5)}
+               "codec": dict(codec="int4"), "outer": dict(outer_lr=0.5), "rounds": dict(rounds="agg=mean,cap=relative")}
     assert set(changes) == set(PART_NAMES) - {"protocol"}
     for part, change in changes.items():
         other = parts(**change)
@@ -31,7 +32,7 @@ def test_each_part_changes_the_digest_and_is_named():
         assert mine.difference(other.parts).startswith(f"different {PART_NAMES[part]} (this node "), part
     assert "no run fingerprint" in mine.difference(None)
     theirs = dict(mine.parts, protocol="1")
-    assert mine.difference(theirs) == "different protocol version (this node 2, peer 1)"
+    assert mine.difference(theirs) == "different protocol version (this node 3, peer 1)"
 
 
 def test_volatile_config_keys_do_not_count():
@@ -43,7 +44,7 @@ def test_volatile_config_keys_do_not_count():
 
 def test_announced_parts_are_validated():
     assert parse_parts({"model": "ab12"}) == {"model": "ab12"}
-    for bad in (None, [], {"model": 1}, {1: "x"}, {"model": "x" * 65}, {f"k{i}": "v" for i in range(17)}):
+    for bad in (None, [], {"model": 1}, {1: "x"}, {"model": "x" * 65}, {f"k{i}": "v" for i in range(2 * len(PART_NAMES) + 1)}):
         assert parse_parts(bad) is None
     ok = {"state": "training", "round": 1, "hash": "aa", "fp": "f" * 32, "fpp": parts().parts}
     record = parse_peer_record(PEER, ok)
