@@ -93,12 +93,20 @@ def test_sigstopped_member_is_left_out_then_resyncs(nodes):
 
 
 def test_joiner_survives_a_donor_dying_mid_download(nodes):
-    # Small pieces so each of the three donors is asked for some; one dies when asked.
-    # Longer rounds, so all three donors announce the same state when the joiner looks.
-    chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "100"]
+    # Small pieces so each of the three donors is asked for some; one dies when asked. Rounds
+    # last 30 s of inner steps whatever the machine's load, and the joiner starts right after
+    # all three committed the same round: every donor holds the state it asks for, so the one
+    # set to die is asked (not hoped to be asked) while the others still serve.
+    chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "1000000", "--set", "inner.round_seconds=30"]
     swarm = start_swarm(nodes, 3, env_for={2: {"GONKA_TEST_FAULT": "serve@1"}}, extra=chunk)
-    for n in swarm:
-        n.wait_round(2, timeout=150)
+
+    def same_round():
+        states = [n.rounds() for n in swarm]
+        common = set.intersection(*(set(r) for r in states))
+        return bool(common) and len({s[max(common)] for s in states}) == 1 and \
+            all(max(s) == max(common) for s in states)
+
+    wait_until(same_round, 150, "all donors on one committed round")
     joiner = nodes("joiner", *COMMON, *chunk, "--bootstrap", swarm[0].address())
     assert swarm[2].wait_exit(120) == -signal.SIGKILL, swarm[2].log()[-3000:]
     assert "SIGKILL at serve" in swarm[2].log()
