@@ -32,14 +32,15 @@ import torch
 
 from p2p import faults, hostile
 from p2p.codecs import ErrorFeedback, get_codec
+from p2p.commits import CommitLog
 from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
-from p2p.commits import CommitCertificate, CommitLog
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.quarantine import Quarantine
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
+from p2p.signing import CommitSigning
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
                       reply, write_frame)
@@ -81,10 +82,8 @@ class RoundProtocol:
         self.swarm = swarm
         self.metrics = metrics
         self.commits = commits if commits is not None else CommitLog(swarm.scope, genesis="")
-        # Certificates being signed, by group id: the last few committed groups (and signatures
-        # that came in before this node finished its own commit).
-        self._signing: BoundedDict = BoundedDict(8)
-        self._last_group = b""
+        # The members' signatures on the rounds this node commits (``certify``).
+        self.signing = CommitSigning(swarm, self.commits, lambda peer, header: self._call(peer, "sign", header))
         cfg = swarm.config
         self.aggregator = cfg.aggregator
         self.weight_cap = weight_cap
@@ -209,47 +208,9 @@ class RoundProtocol:
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds)
-        self._signing[group.id] = _Signing(group.members, round + 1)
-        self._last_group = group.id
+        self.signing.committed(group.id, group.members, round + 1)
         faults.checkpoint("commit", round + 1, len(group.members))
         return unflatten(result, tensors, copy=False)  # the group's result buffer is ours alone now
-
-    # ---- certify: the members sign what the round made ---------------------------------
-
-    def certify(self, prev: str, new: str) -> asyncio.Task:
-        """After the last committed round is applied (``new`` its params_hash): sign its
-        certificate, send the signature to the other members, and add the certificate to
-        ``commits`` once more than half of them signed. Runs in the background."""
-        signing = self._signing.get(self._last_group)
-        if signing is None or signing.cert is not None:
-            return None
-        signer = self.swarm.signer
-        cert = CommitCertificate(self.swarm.scope, signing.round, prev, new, tuple(signing.members))
-        signature = signer.sign(cert.message())
-        cert.add(self.swarm.peer_id, signer.public_key, signature)
-        for peer, public_key, theirs in signing.early:
-            if not cert.add(peer, public_key, theirs):
-                self.swarm.reject("bad_certificate", f"signature of {peer[-8:]}")
-        signing.cert, signing.early = cert, []
-        self._note(cert)
-        header = {"g": self._last_group, "pk": signer.public_key, "sig": signature}
-        others = [p for p in signing.members if p != self.swarm.peer_id]
-
-        async def send():
-            results = await asyncio.gather(*(self._call(p, "sign", header) for p in others), return_exceptions=True)
-            missing = [p[-8:] for p, r in zip(others, results) if isinstance(r, BaseException)]
-            if missing:
-                log.info("round %d certificate: signature not delivered to %s", cert.round, ", ".join(missing))
-
-        task = asyncio.ensure_future(send())
-        self._hint_tasks.add(task)
-        task.add_done_callback(self._hint_tasks.discard)
-        return task
-
-    def _note(self, cert: CommitCertificate) -> None:
-        """Keep a certificate in the chain once it holds (later signatures still add to it)."""
-        if cert.holds() and self.commits.certs.get(cert.round) is not cert:
-            self.commits.add(cert)
 
     # ---- gather: who is in this round ----------------------------------------------
 
@@ -610,22 +571,16 @@ class RoundProtocol:
         await reply(writer, {"ok": True})
 
     async def _on_sign(self, sender: str, header: dict, reader, writer) -> None:
-        """A member's signature on the certificate of a round we committed together."""
-        signing = self._signing.get(hfield(header, "g", bytes))
-        if signing is None:
-            await reply(writer, {"ok": False, "reason": "unknown_group"})
-            return
-        if sender not in signing.members:
+        """A member's signature on the certificate of a round we committed together (p2p/signing.py)."""
+        refused = self.signing.receive(sender, hfield(header, "g", bytes), hfield(header, "pk", bytes),
+                                       hfield(header, "sig", bytes), self._group)
+        if refused == "not_a_member":
             raise RoundFailed("not_a_member")
-        public_key, signature = hfield(header, "pk", bytes), hfield(header, "sig", bytes)
-        if signing.cert is None:  # we have not applied the round yet: check it once we have
-            if len(signing.early) < len(signing.members):
-                signing.early.append((sender, public_key, signature))
-        elif signing.cert.add(sender, public_key, signature):
-            self._note(signing.cert)
-        else:
-            self.swarm.reject("bad_certificate", f"signature of {sender[-8:]}")
-        await reply(writer, {"ok": True})
+        await reply(writer, {"ok": not refused, **({"reason": refused} if refused else {})})
+
+    def certify(self, prev: str, new: str):
+        """After the last committed round is applied: sign its certificate (p2p/signing.py)."""
+        return self.signing.certify(prev, new)
 
     async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:
         """An auditor asks for our input to one piece of one part (re-encoded: the same bytes)."""
@@ -639,16 +594,6 @@ class RoundProtocol:
 
 class _Behind(Exception):
     pass
-
-
-@dataclass(eq=False)
-class _Signing:
-    """The certificate of one committed group, while its members' signatures come in."""
-
-    members: list[str]
-    round: int
-    cert: CommitCertificate | None = None
-    early: list = field(default_factory=list)  # (member, public key, signature) before our own commit
 
 
 def _hostile_input(flat: torch.Tensor, b: hostile.Behaviour) -> None:

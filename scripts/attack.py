@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -124,33 +125,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# How a hostile peer starts: `gonka-node start` with GONKA_TEST_HOSTILE read by p2p/hostile.py,
-# then removed before the config loader sees it (it takes every GONKA_* variable for a setting,
-# and GONKA_TEST_HOSTILE is not exempt: a node started with it exits 2, "unknown setting").
-LIAR = f"""import os, sys
-sys.path.insert(0, {str(ROOT)!r})
-os.environ[{hostile.ENV!r}] = sys.argv.pop(1)
-from p2p import hostile
-del os.environ[{hostile.ENV!r}]
-from node.cli import main
-sys.argv[0] = "gonka-node"
-sys.exit(main())
-"""
-
-
-class HostileNode(LocalNode):
-    """A LocalNode whose process lies as ``spec`` says (p2p/hostile.py)."""
-
-    def __init__(self, directory: Path, args: list[str], spec: str):
-        self.dir = directory
-        self.log_path = self.dir / "node.log"
-        self.status_path = self.dir / "status.json"
-        self.control = str(self.dir / "control.sock")
-        cmd = [sys.executable, "-c", LIAR, spec, "start", "--status-file", str(self.status_path),
-               "--control", self.control, "--identity", str(self.dir / "identity.key"), *args]
-        self._log = open(self.log_path, "ab")
-        self.started = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+@contextmanager
+def lying(spec: str | None):
+    """The environment a node inherits at start: GONKA_TEST_HOSTILE=spec, or no such variable."""
+    old = os.environ.pop(hostile.ENV, None)
+    if spec:
+        os.environ[hostile.ENV] = spec
+    try:
+        yield
+    finally:
+        os.environ.pop(hostile.ENV, None)
+        if old is not None:
+            os.environ[hostile.ENV] = old
 
 
 class Peer:
@@ -171,7 +157,8 @@ class Peer:
         args = [*node_args, "--metrics-addr", f"127.0.0.1:{self.port}"]
         if bootstrap:
             args += ["--bootstrap", bootstrap]
-        self.node = HostileNode(directory, args, self.spec) if self.spec else LocalNode(directory, args)
+        with lying(self.spec):
+            self.node = LocalNode(directory, args)
         return self.node
 
     def scrape(self) -> None:
