@@ -47,6 +47,9 @@ from trainer.fingerprint import Fingerprint, parse_parts
 log = logging.getLogger(__name__)
 
 STATES = ("joining", "training", "ready", "averaging", "stopped")
+# The most peer-table entries one lookup keeps (each signed by its owner; a closed swarm's by
+# admitted peers only).
+MAX_TABLE_ENTRIES = 4096
 _PR_SET_PDEATHSIG = 1
 # Certificate look-ups of callers we do not know yet (closed swarm with an authority).
 CERT_FETCH_SECONDS = 5.0  # at most, for one look-up
@@ -513,6 +516,10 @@ class Swarm:
         if not isinstance(entries, dict):
             self.reject("bad_peer_table")
             entries = {}
+        if len(entries) > MAX_TABLE_ENTRIES:  # bounded whoever writes: the newest entries are kept
+            self.reject("peer_table_full", f"{len(entries)} entries")
+            newest = sorted(entries.items(), key=lambda kv: -getattr(kv[1], "expiration_time", 0.0))
+            entries = dict(newest[:MAX_TABLE_ENTRIES])
         for subkey, item in entries.items():
             if subkey == self.peer_id:
                 continue

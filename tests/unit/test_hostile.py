@@ -237,3 +237,40 @@ async def test_an_oversized_declared_frame_is_refused_before_any_payload_arrives
         writer.close()
     finally:
         await stop_peers(peers)
+
+
+async def test_an_outsider_gets_no_round_or_state_service_from_a_closed_swarm():
+    from hivemind.p2p import P2P
+
+    from node.metrics import NodeMetrics
+    from p2p.commits import CommitLog
+    from p2p.config import SwarmConfig
+    from p2p.membership import new_authority
+    from p2p.rounds import RoundProtocol
+    from p2p.swarm import Swarm, peer_id_from
+    from p2p.transfer import Snapshot, StateServer
+    from p2p.wire import read_frame, write_frame
+    from tests.unit.test_rounds import FAST
+
+    metrics = NodeMetrics()
+    member = await Swarm.start(SwarmConfig(authority=new_authority()[1], **FAST), "closed", identity_path=None,
+                               on_reject=lambda reason: metrics.rejected_messages.labels(reason=reason).inc())
+    rounds, server = RoundProtocol(member, metrics), StateServer(member, metrics, CommitLog(member.scope, "g"))
+    await rounds.start()
+    await server.start()
+    server.snapshot = Snapshot.build(0, "g", [torch.ones(4)], [torch.zeros(4)], 1 << 16)
+    outsider = await P2P.create(initial_peers=member.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False,
+                                nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+    try:
+        for name, request in ((rounds._names["ready"], {"r": 0}), (rounds._names["begin"], {"r": 0}),
+                              (server.name, {"op": "meta"}), (server.name, {"op": "range", "offset": 0})):
+            _, reader, writer = await outsider.call_binary_stream_handler(peer_id_from(member.peer_id), name)
+            await write_frame(writer, request)
+            with pytest.raises(Exception):  # the stream is closed on it: no answer, no byte of state
+                await read_frame(reader, 5.0)
+            writer.close()
+        assert rejected(metrics, "not_admitted") >= 4
+        assert metrics.registry.get_sample_value("gonka_node_state_served_total") == 0
+    finally:
+        await outsider.shutdown()
+        await member.close()

@@ -1,0 +1,42 @@
+"""Whom to leave out of rounds (p2p/quarantine.py) and the test-only hostile behaviours (p2p/hostile.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p.hostile import Behaviour, parse
+from p2p.quarantine import Quarantine
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_a_lie_quarantines_at_once_and_the_quarantine_ends():
+    q = Quarantine(seconds=100)
+    assert q.offence("liar", "bad_payload", now=0.0) is True
+    assert q.quarantined("liar", 50.0) and q.active(50.0) == {"liar"}
+    assert q.offence("liar", "bad_payload", now=60.0) is False  # already in
+    assert not q.quarantined("liar", 100.0) and q.active(100.0) == set()
+
+
+def test_faults_are_strikes_and_only_recent_ones_count():
+    q = Quarantine(seconds=100, strikes=3)
+    assert not q.offence("p", "aborted", 0.0) and not q.offence("p", "refused", 10.0)
+    assert not q.offence("p", "aborted", 150.0)  # the first two are older than the period
+    assert not q.offence("p", "silent_leader", 160.0)
+    assert q.offence("p", "uncertified_state", 170.0) and q.quarantined("p", 171.0)
+
+
+def test_the_tables_are_bounded_whoever_offends():
+    q = Quarantine(seconds=100, max_peers=16)
+    for i in range(1000):
+        q.offence(f"p{i}", "bad_weight", 0.0)
+        q.offence(f"s{i}", "aborted", 0.0)
+    assert len(q.active(1.0)) == 16
+
+
+def test_hostile_behaviours_parse_and_bad_ones_name_the_variable():
+    assert parse("") == Behaviour() and not parse("").any
+    assert parse("scale=-1000, weight=1e30,abort") == Behaviour(scale=-1000.0, weight=1e30, abort=True)
+    for bad in ("scale", "abort=1", "king", "fill=x"):
+        with pytest.raises(ValueError, match="GONKA_TEST_HOSTILE"):
+            parse(bad)
