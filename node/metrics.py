@@ -49,7 +49,7 @@ REASONS = frozenset({
     "bad_heartbeat_maddrs", "bad_heartbeat_fingerprint", "fingerprint_mismatch", "peer_table_full",
     # trust: closed swarms, owner-bound records, certificates, bounded influence, quarantine
     "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "quarantined",
-    "uncertified_state", "no_quorum", "state_mismatch", "no_certificate", "certificate_without_quorum", "chain_breaks", "hostile",
+    "uncertified_state", "no_quorum", "state_mismatch", "bad_evidence", "no_certificate", "certificate_without_quorum", "chain_breaks", "hostile",
     "aborted", "silent_leader",
     "record_malformed", "record_other_key", "record_plain_value", "record_oversized", "record_unsigned",
     "record_foreign_key", "record_far_expiry", "record_bad_signature",

@@ -19,7 +19,7 @@ from p2p.limits import BoundedDict
 # Offences that only a lying (or broken) peer commits.
 LIES = frozenset({
     "bad_payload", "bad_weight", "non_finite", "bad_size", "duplicate_part", "bad_lane", "weight_capped",
-    "audit_failed", "owner_misreported", "bad_members", "bad_vote",
+    "audit_failed", "owner_misreported", "bad_members", "bad_vote", "bad_evidence",
 })
 # Offences an honest peer may commit by bad luck (a leader whose begin was lost, whose view of
 # the quorum was not ours): counted as strikes.

@@ -97,7 +97,7 @@ class RoundProtocol:
         self.use_feedback = cfg.error_feedback and self.codec.name != "fp32"
         self.feedback: ErrorFeedback | None = None
         self.request_timeout = cfg.request_timeout
-        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready", "audit", "sign")}
+        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready", "audit", "sign", "evidence")}
         self._waiting: _Waiting | None = None
         self._group: Group | None = None
         self._group_set = asyncio.Event()
@@ -119,7 +119,7 @@ class RoundProtocol:
         p2p = self.swarm.p2p
         # A begin lists every member; every other request is a handful of fields.
         await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin, max_header=None))
-        for name in ("part", "vote", "ready", "audit", "sign"):
+        for name in ("part", "vote", "ready", "audit", "sign", "evidence"):
             await p2p.add_binary_stream_handler(self._names[name], self._guard(getattr(self, f"_on_{name}")))
         if self.hostile.flood:
             self._flood_task = asyncio.ensure_future(self._flood())
@@ -417,6 +417,10 @@ class RoundProtocol:
             peer = group.members[int(culprit)]
             group.blame.setdefault(peer, "audit_failed")
             self.swarm.reject("audit_failed", f"piece {k} of {group.members[index][-8:]}'s part, by {peer[-8:]}")
+            if int(culprit) == index:  # the owner: every member can check the evidence itself
+                header, evidence = {"g": group.id, "j": index, "k": k}, b"".join(payloads)
+                await asyncio.gather(*(self._send(p, "evidence", header, evidence) for p in others),
+                                     return_exceptions=True)
             raise RoundFailed("audit_failed", f"{peer[-8:]}")
         group.add_audit(group.index)
         n = len(group.members)
@@ -440,6 +444,16 @@ class RoundProtocol:
             raise RoundFailed("unreachable", peer[-8:]) from None
         except Exception as e:
             raise RoundFailed("unreachable", f"{peer[-8:]}: {e!r}"[:200]) from None
+
+    async def _send(self, peer: str, name: str, header: dict, payload: bytes) -> None:
+        """A header, then one frame of payload; waits for the answer (or the request timeout)."""
+        _, reader, writer = await self._open(peer, name)
+        try:
+            self.metrics.sent_bytes.inc(await write_frame(writer, header))
+            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
+            await read_frame(reader, self.request_timeout)
+        finally:
+            await close_writer(writer)
 
     async def _call(self, peer: str, name: str, header: dict, timeout: float | None = None, max_payload: int = 0):
         _, reader, writer = await self._open(peer, name)
@@ -581,6 +595,32 @@ class RoundProtocol:
     def certify(self, prev: str, new: str):
         """After the last committed round is applied: sign its certificate (p2p/signing.py)."""
         return self.signing.certify(prev, new)
+
+    async def _on_evidence(self, sender: str, header: dict, reader, writer) -> None:
+        """An auditor's evidence that the owner of a part lied: every member's input to the piece.
+        Checked here like the auditor checked it (the inputs must match the declaration all
+        members voted on); whoever the evidence shows lying is quarantined — the owner, or the
+        accuser if the evidence does not hold."""
+        group, _ = await self._group_for(sender, header)
+        j, k = hfield(header, "j", int), hfield(header, "k", int)
+        if not (0 <= j < len(group.members) and 0 <= k < len(group.pieces[j])) or group.declared[j][k] is None:
+            raise WireError("bad_field", "evidence piece")
+        start, end = group.pieces[j][k]
+        size = self.codec.wire_bytes(end - start)
+        _, payload = await read_frame(reader, self.request_timeout, max_payload=size * len(group.members))
+        if len(payload) != size * len(group.members):
+            raise WireError("bad_size", "evidence")
+        payloads = [payload[i * size:(i + 1) * size] for i in range(len(group.members))]
+        culprit = await off_loop(group.audit, j, k, payloads)
+        if culprit is not None and int(culprit) == j:
+            self.swarm.reject("audit_failed", f"piece {k} of {group.members[j][-8:]}'s part, shown by {sender[-8:]}")
+            group.blame.setdefault(group.members[j], "audit_failed")
+            self.offence(group.members[j], "audit_failed")
+            group.fail("audit_failed", f"{group.members[j][-8:]}, shown by {sender[-8:]}")  # not the auditor's fault
+        else:  # the evidence does not show what it claims: the accuser lied
+            self.swarm.reject("bad_evidence", sender[-8:])
+            self.offence(sender, "bad_evidence")
+        await reply(writer, {"ok": True})
 
     async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:
         """An auditor asks for our input to one piece of one part (re-encoded: the same bytes)."""

@@ -141,8 +141,9 @@ async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same
         _, auditor, metrics = peers[2]
         assert rejected(metrics, "audit_failed") == 1 and quarantined(metrics, "audit_failed") == 1
         assert auditor.quarantine.quarantined(owner, time.monotonic())
-        # The next attempt the auditor leads or joins leaves the owner out; the honest pair commits.
-        rounds[0].quarantine.offence(owner, "audit_failed", time.monotonic())  # as if it had audited too
+        # The auditor sent its evidence: the other member checked it and quarantined the owner too.
+        assert rounds[0].quarantine.quarantined(owner, time.monotonic())
+        assert quarantined(peers[0][2], "audit_failed") == 1
         task = asyncio.ensure_future(rounds[1].average([inputs[1]], 1.0, 0))
         results = await attempt([rounds[0], rounds[2]], [inputs[0], inputs[2]])
         assert all(res is not None for res in results) and torch.equal(results[0][0], results[1][0])
