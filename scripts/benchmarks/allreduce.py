@@ -35,8 +35,9 @@ implementation reaches a ratio of about 1.05.
 (``gonka_node_sent_bytes_total``, the mean over peers); ``nic_tx_bytes_per_peer``
 is what left each host's interface (all systems: headers, encryption and
 heartbeats included). ``identical``: every peer ended with bit-identical
-values; ``within_tol``: the result's relative error to the exact mean is
-under the codec's tolerance (``TOLERANCE``). ``aborted``: gonka-node round
+values; ``within_tol``: the result's relative error to the exact mean
+(gonka-node: to its aggregator on the uncompressed pieces) is under the
+codec's tolerance (``TOLERANCE``). ``aborted``: gonka-node round
 attempts that aborted and were retried (their time counts in ``seconds``).
 ``cpu_s`` / ``p2pd_cpu_s`` (gonka-node): CPU seconds one sync costs a peer's
 process and its p2pd (mean over peers): all peers share the machine's cores,

@@ -98,12 +98,20 @@ def digest(x: torch.Tensor) -> str:
     return hashlib.blake2b(x.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 
-def check_result(result: torch.Tensor, args) -> dict:
-    """Error of the averaged vector against the exact mean of every peer's input."""
-    mean = torch.zeros(args.params, dtype=torch.float64)
-    for i in range(args.peers):
-        mean += make_input(args.seed + i, args.params).double()
-    mean /= args.peers
+def check_result(result: torch.Tensor, args, aggregator: str = "mean") -> dict:
+    """Error of the averaged vector against what the peers were asked to compute from every peer's
+    input: the exact mean, or (gonka-node) the swarm's aggregator on uncompressed pieces."""
+    if aggregator == "mean":
+        mean = torch.zeros(args.params, dtype=torch.float64)
+        for i in range(args.peers):
+            mean += make_input(args.seed + i, args.params).double()
+        mean /= args.peers
+    else:
+        from p2p.codecs import get_codec
+        from p2p.compression import SwarmAverage
+
+        inputs = [([make_input(args.seed + i, args.params)], 1.0) for i in range(args.peers)]
+        mean = SwarmAverage(aggregator, get_codec(args.codec))(inputs)[0].double()
     diff = result.double() - mean
     return {"rel_error": float(diff.norm() / mean.norm()), "max_abs_error": float(diff.abs().max())}
 
@@ -183,7 +191,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
                             "digest": digest(result), "aborted": aborted})
         # Leave only once everyone is done: a member that closes early could fail a slow vote.
         await abarrier(workdir, "done", args.index, args.peers, deadline)
-        return {"repeats": repeats[args.warmup :], **check_result(result, args)}
+        return {"repeats": repeats[args.warmup :], **check_result(result, args, rounds.aggregator)}
     finally:
         await swarm.close()
 
