@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import statistics
 import struct
 from dataclasses import dataclass, field
@@ -139,8 +140,6 @@ class Group:
     weight_cap: float = 0.0
     hostile: Behaviour = HONEST  # test-only lies of this member (p2p/hostile.py)
     votes: dict[int, bytes] = field(default_factory=dict)
-    nonces: dict[int, bytes] = field(default_factory=dict)  # revealed with the votes: seed the audit
-    audits: set[int] = field(default_factory=set)  # members whose audit came back clean
     failure: RoundFailed | None = None
     deadline: float = 0.0  # loop time by which the exchange must be over (set when it starts)
     # Members whose input (or, as owners, whose output) this peer refused: member -> reason.
@@ -313,17 +312,19 @@ class Group:
     # ---- audit: a sampled piece of another member's part, recomputed ----------------
 
     def audit_target(self) -> tuple[int, int] | None:
-        """The (part, piece) this member audits: a piece of the previous member's part, chosen by
-        the nonces every member revealed with its vote (no owner knew them when it sent its
-        pieces). None in a group of one, or if that part is empty."""
+        """The (part, piece) this member audits: a random piece of the previous member's part,
+        drawn once that owner has sent every piece (so it cannot know which one). None in a
+        group of one, or if that part is empty."""
         n = len(self.members)
-        if n < 2:
-            return None
         owner = (self.index - 1) % n
-        if not self.pieces[owner]:
+        if n < 2 or not self.pieces[owner]:
             return None
-        seed = hashlib.blake2b(self.id + b"".join(self.nonces[i] for i in range(n)), digest_size=8).digest()
-        return owner, int.from_bytes(seed, "big") % len(self.pieces[owner])
+        assert all(d is not None for d in self._placed[owner]), "audit before the owner's part is in"
+        return owner, int.from_bytes(os.urandom(8), "big") % len(self.pieces[owner])
+
+    async def placed(self, index: int, k: int, deadline: float) -> None:
+        """Return once piece ``k`` of part ``index`` is placed here."""
+        await self._wait(lambda: self._placed[index][k] is not None, deadline)
 
     def audit(self, index: int, k: int, payloads: list[bytes]) -> str | None:
         """Recompute piece ``k`` of part ``index`` from every member's encoded input and the
@@ -428,22 +429,13 @@ class Group:
 
     # ---- vote --------------------------------------------------------------------
 
-    def add_vote(self, sender: int, value: bytes, nonce: bytes = b"") -> None:
-        if not isinstance(value, bytes) or len(value) != 16 or not isinstance(nonce, bytes) or len(nonce) != 16:
+    def add_vote(self, sender: int, value: bytes) -> None:
+        if not isinstance(value, bytes) or len(value) != 16:
             raise RoundFailed("bad_vote")
-        if sender not in self.votes:
-            self.votes[sender], self.nonces[sender] = value, nonce
+        self.votes.setdefault(sender, value)
         self._changed.set()
 
     async def agreed(self, deadline: float) -> bool:
         await self._wait(lambda: len(self.votes) == len(self.members), deadline)
         return len(set(self.votes.values())) == 1
 
-    def add_audit(self, sender: int) -> None:
-        """Member ``sender`` audited its piece and found nothing wrong."""
-        self.audits.add(sender)
-        self._changed.set()
-
-    async def audited(self, deadline: float, auditors: set[int]) -> None:
-        """Return once every auditor reported a clean audit (a failed one fails the group)."""
-        await self._wait(lambda: auditors <= self.audits, deadline)

@@ -282,7 +282,9 @@ class RoundProtocol:
                 first_seen = waited_for_leader.setdefault(leader, time.monotonic())
                 if time.monotonic() - first_seen > leader_wait_limit:
                     log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
-                    self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout)
+                    # Out long enough for the others to gather and average without it.
+                    self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout
+                                  + self.deadlines.ceiling)
                     self.offence(leader, "silent_leader")
                     waited_for_leader.pop(leader)
             if time.monotonic() - reported > WAIT_REPORT_SECONDS:
@@ -374,14 +376,15 @@ class RoundProtocol:
         if self.hostile.abort:
             raise RoundFailed("hostile")  # test-only: a member that aborts every group it joins
         await self.exchange.run(group, deadline)
-        vote, nonce = group.digest(), os.urandom(16)
-        group.add_vote(group.index, vote, nonce)
         others = [p for p in group.members if p != group.me]
-        await self._to_all(group, others, {"g": group.id, "digest": vote, "nonce": nonce},
-                           group.agreed(deadline))
+        # A member votes only once its own audit is clean: all votes in and equal means every
+        # sampled piece was recomputed and matched, and nobody applies anything otherwise.
+        await all_or_fail([asyncio.ensure_future(self._audit(group, others, deadline))], group)
+        vote = group.digest()
+        group.add_vote(group.index, vote)
+        await self._to_all(group, others, {"g": group.id, "digest": vote}, group.agreed(deadline))
         if len(set(group.votes.values())) != 1:
             raise RoundFailed("digest_mismatch")
-        await self._audit(group, others, deadline)
         return group.result
 
     async def _to_all(self, group: Group, others: list[str], header: dict, until) -> None:
@@ -418,14 +421,11 @@ class RoundProtocol:
             group.blame.setdefault(peer, "audit_failed")
             self.swarm.reject("audit_failed", f"piece {k} of {group.members[index][-8:]}'s part, by {peer[-8:]}")
             if int(culprit) == index:  # the owner: every member can check the evidence itself
-                header, evidence = {"g": group.id, "j": index, "k": k}, b"".join(payloads)
+                header = {"g": group.id, "j": index, "k": k, "d": group.declared[index][k]}
+                evidence = b"".join(payloads)
                 await asyncio.gather(*(self._send(p, "evidence", header, evidence) for p in others),
                                      return_exceptions=True)
             raise RoundFailed("audit_failed", f"{peer[-8:]}")
-        group.add_audit(group.index)
-        n = len(group.members)
-        auditors = {i for i in range(n) if group.pieces[(i - 1) % n]}
-        await self._to_all(group, others, {"g": group.id, "audited": True}, group.audited(deadline, auditors))
 
     async def _broadcast_abort(self, group: Group, reason: str) -> None:
         others = [p for p in group.members if p != group.me]
@@ -578,10 +578,8 @@ class RoundProtocol:
             if group.failure is None:  # the first to give up: a strike if it keeps doing so
                 group.blame.setdefault(sender, "aborted")
             group.fail("aborted_by_peer", str(header["abort"])[:40])
-        elif "audited" in header:
-            group.add_audit(index)
         else:
-            group.add_vote(index, hfield(header, "digest", bytes), hfield(header, "nonce", bytes))
+            group.add_vote(index, hfield(header, "digest", bytes))
         await reply(writer, {"ok": True})
 
     async def _on_sign(self, sender: str, header: dict, reader, writer) -> None:
@@ -602,9 +600,14 @@ class RoundProtocol:
         members voted on); whoever the evidence shows lying is quarantined — the owner, or the
         accuser if the evidence does not hold."""
         group, _ = await self._group_for(sender, header)
-        j, k = hfield(header, "j", int), hfield(header, "k", int)
-        if not (0 <= j < len(group.members) and 0 <= k < len(group.pieces[j])) or group.declared[j][k] is None:
+        j, k, declared = hfield(header, "j", int), hfield(header, "k", int), hfield(header, "d", bytes)
+        if not (0 <= j < len(group.members) and 0 <= k < len(group.pieces[j])):
             raise WireError("bad_field", "evidence piece")
+        await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout)
+        if declared != group.declared[j][k]:  # the owner told us otherwise, or the accuser lies: no blame
+            group.fail("digest_mismatch", f"declarations of piece {k} of {group.members[j][-8:]}'s part differ")
+            await reply(writer, {"ok": True})
+            return
         start, end = group.pieces[j][k]
         size = self.codec.wire_bytes(end - start)
         _, payload = await read_frame(reader, self.request_timeout, max_payload=size * len(group.members))
