@@ -80,7 +80,7 @@ def parse_args() -> argparse.Namespace:
                    help=f"'all' ({' '.join(ALL)}) or a list: one swarm per kind, one hostile peer each")
     p.add_argument("--rounds", type=int, default=20, help="stop once every honest peer holds this round (default 20)")
     p.add_argument("--duration", type=float, default=360, help="at most this many seconds per swarm (default 360)")
-    p.add_argument("--inner-steps", type=int, default=10)
+    p.add_argument("--inner-steps", type=int, default=10, help="inner steps per round (default 10)")
     p.add_argument("--min-peers", type=int, default=3, help="--min-peers of every peer (default 3)")
     p.add_argument("--seed", type=int, default=0, help="--seed of every peer (model and data order)")
     p.add_argument("--no-clean", action="store_true", help="skip the clean run (no eval-loss comparison)")
@@ -145,7 +145,7 @@ class Peer:
     def __init__(self, name: str, key: Path, spec: str | None):
         self.name, self.key, self.spec = name, key, spec
         self.peer_id = load_or_create_identity(str(key))
-        self.port = free_port()
+        self.port = 0  # of its /metrics, picked at each start
         self.node: LocalNode | None = None
         self.metrics = ""  # the last /metrics text scraped
         self.exit: int | None = None
@@ -154,6 +154,7 @@ class Peer:
     def start(self, directory: Path, node_args: list[str], bootstrap: str | None) -> LocalNode:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.copy(self.key, directory / "identity.key")  # the same peer id, so the same data shard, every run
+        self.port = free_port()
         args = [*node_args, "--metrics-addr", f"127.0.0.1:{self.port}"]
         if bootstrap:
             args += ["--bootstrap", bootstrap]
@@ -293,6 +294,7 @@ class Scenario:
         for p in self.honest:  # the longest time the peer went without committing or re-syncing
             times = [p.node.started] + [t for t, *_ in p.node.events()] + [t0 + elapsed]
             gaps[p.name] = round(max(b - a for a, b in zip(times, times[1:])), 1)
+        pace = [seconds_per_round(p.node.events()) for p in self.honest]
         errors: dict[str, int] = {}  # "peer: line without its time stamp" -> how often
         for n, text in logs.items():
             for line, _ in CRASH.findall(text):
@@ -327,10 +329,18 @@ class Scenario:
             "quarantines": quarantines,
             "honest_quarantined": [q for q in quarantines if q["peer"] in honest],
             "longest_wait_s": gaps,
+            "seconds_per_round": statistics.median(x for x in pace if x is not None) if any(pace) else None,
             "errors": errors,
             "exit_codes": exits,
             "died_early": died,
         }
+
+
+def seconds_per_round(events: list[tuple[float, str, int, str]]) -> float | None:
+    """Wall time per round from a peer's first commit to its last (start-up left out)."""
+    if len(events) < 2 or events[-1][2] <= events[0][2]:
+        return None
+    return round((events[-1][0] - events[0][0]) / (events[-1][2] - events[0][2]), 2)
 
 
 def stop(peers: list[Peer], timeout: float = 30) -> None:
@@ -373,7 +383,7 @@ def top(counts: dict[str, float], n: int = 3) -> str:
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{'hostile':<14} {'committed':>14} {'adopted':>7} {'agree':>5} {'eval vs clean':>22} {'honest q.':>9} "
-          f"{'max wait':>8}  rejected / quarantined (summed over the honest peers)")
+          f"{'max wait':>8} {'s/round':>7}  rejected / quarantined (summed over the honest peers)")
     for r in results:
         ev = r.get("eval_vs_clean")
         evs = f"{ev['eval_loss']:.4f} ({100 * ev['relative']:+.2f}%) @{ev['round']}" if ev else "-"
@@ -381,7 +391,7 @@ def print_table(results: list[dict]) -> None:
         print(f"{'+'.join(r['hostile']) or 'clean':<14} {r['attempts_committed']:>4}/{r['attempts']:<4} "
               f"{100 * r['committed_fraction']:3.0f}% {len(r['hostile_states_adopted']):>7} "
               f"{'yes' if r['final']['agree'] else 'NO':>5} {evs:>22} {len(r['honest_quarantined']):>9} "
-              f"{max(r['longest_wait_s'].values()):>7.0f}s  "
+              f"{max(r['longest_wait_s'].values()):>7.0f}s {r['seconds_per_round'] or float('nan'):>7.2f}  "
               f"{top(c.get('rejected_messages', {}))} / {top(c.get('quarantined', {}))}")
         for what in ("hostile_states_adopted", "forks", "honest_quarantined", "errors", "died_early"):
             if r[what]:
@@ -395,8 +405,15 @@ def code_version() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "modified": git("status", "--porcelain", "-uno").splitlines()}
 
 
+def interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     args = parse_args()
+    # Ctrl-C or a kill stops every peer (by pid), even where the shell started us with SIGINT ignored.
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     for var in (hostile.ENV, "GONKA_TEST_FAULT"):  # honest peers must not inherit a lie or a fault
         os.environ.pop(var, None)
     out = Path(args.out or ROOT / "runs" / time.strftime("attack-%Y%m%d-%H%M%S"))
@@ -416,10 +433,6 @@ def main() -> int:
     clean = None
     running: list[Peer] = []
 
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupted)
     try:
         for name, hostiles in scenarios:
             for p in honest:
