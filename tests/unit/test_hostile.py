@@ -45,9 +45,10 @@ def honest_inputs(n: int, numel: int = 4096, seed: int = 0) -> list[torch.Tensor
     return [base + 0.3 * torch.randn(numel, generator=gen) for _ in range(n)]
 
 
-@pytest.mark.parametrize("lie", [Behaviour(fill=1e30), Behaviour(fill=3.4e38), Behaviour(fill=-3.4e38),
-                                 Behaviour(scale=1e4), Behaviour(scale=-10.0), Behaviour(scale=-1000.0, weight=1e30)],
-                         ids=["1e30", "+3.4e38", "-3.4e38", "1e4x", "-10x", "-1000x-weight1e30"])
+# Through the swarm, the kinds that stress it differently (overflow, a reversed huge update, a
+# reversed small one); tests/unit/test_aggregate.py bounds every kind on the aggregator alone.
+@pytest.mark.parametrize("lie", [Behaviour(fill=-3.4e38), Behaviour(scale=-10.0), Behaviour(scale=-1000.0, weight=1e30)],
+                         ids=["-3.4e38", "-10x", "-1000x-weight1e30"])
 async def test_one_hostile_member_among_five_moves_the_average_a_bounded_amount(lie):
     peers = await start_peers(5, min_peers=5, aggregator="clip")
     try:
