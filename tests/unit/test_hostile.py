@@ -45,10 +45,9 @@ def honest_inputs(n: int, numel: int = 4096, seed: int = 0) -> list[torch.Tensor
     return [base + 0.3 * torch.randn(numel, generator=gen) for _ in range(n)]
 
 
-# Through the swarm, the kinds that stress it differently (overflow, a reversed huge update, a
-# reversed small one); tests/unit/test_aggregate.py bounds every kind on the aggregator alone.
-@pytest.mark.parametrize("lie", [Behaviour(fill=-3.4e38), Behaviour(scale=-10.0), Behaviour(scale=-1000.0, weight=1e30)],
-                         ids=["-3.4e38", "-10x", "-1000x-weight1e30"])
+@pytest.mark.parametrize("lie", [Behaviour(fill=1e30), Behaviour(fill=3.4e38), Behaviour(fill=-3.4e38),
+                                 Behaviour(scale=1e4), Behaviour(scale=-10.0), Behaviour(scale=-1000.0, weight=1e30)],
+                         ids=["1e30", "+3.4e38", "-3.4e38", "1e4x", "-10x", "-1000x-weight1e30"])
 async def test_one_hostile_member_among_five_moves_the_average_a_bounded_amount(lie):
     peers = await start_peers(5, min_peers=5, aggregator="clip")
     try:
@@ -169,14 +168,11 @@ async def test_a_member_that_always_aborts_is_quarantined_after_three_strikes():
             results = await attempt(honest, inputs[:3], timeout=90)
             if all(res is not None for res in results):
                 break
-        # Three aborts (strikes) at most, then groups without it (sooner if the honest peers'
-        # retry formed a group before the aborter was ready again).
+        # Three aborts (strikes) at most, then groups without it.
         assert attempt_no <= 4, attempt_no
         assert all(torch.equal(res[0], results[0][0]) for res in results)
         assert all(aborter not in r.last.members for r in honest)
-        now = time.monotonic()
-        struck = [r for r in honest if r.quarantine.quarantined(aborter, now) or r.quarantine._strikes.get(aborter)]
-        assert struck and (attempt_no < 4 or all(r.quarantine.quarantined(aborter, now) for r in struck))
+        assert any(r.quarantine.quarantined(aborter, time.monotonic()) for r in honest)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     finally:
