@@ -144,6 +144,8 @@ class Group:
     deadline: float = 0.0  # loop time by which the exchange must be over (set when it starts)
     # Members whose input (or, as owners, whose output) this peer refused: member -> reason.
     blame: dict[str, str] = field(default_factory=dict)
+    # Members that sent an abort while this peer had no failure of its own: member -> its reason.
+    aborts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
@@ -355,6 +357,23 @@ class Group:
         return digest(pieces, self.id)
 
     # ---- events ----------------------------------------------------------------
+
+    def aborted_by(self, member: str, reason: str) -> None:
+        """An abort from ``member``; it ends the attempt. Kept (to find who started it) unless
+        this peer had failed for a reason of its own, which the others' aborts only answer."""
+        if self.failure is None or self.failure.reason == "aborted_by_peer":
+            self.aborts.setdefault(member, reason)
+        self.fail("aborted_by_peer", reason)
+
+    def abort_starter(self) -> str | None:
+        """Who started the aborts this peer got: the first member that gave a reason of its own,
+        not one passing another's abort on (every member does, so an attempt ends at once
+        everywhere); failing that, the first whose abort came in. None if the leader called the
+        attempt off because a member refused it: that is nobody's doing that we saw."""
+        first = next(iter(self.aborts), None)
+        if first is not None and self.aborts[first] == "member_refused" and first == self.leader:
+            return None
+        return next((m for m, r in self.aborts.items() if r != "aborted_by_peer"), first)
 
     def fail(self, reason: str, detail: str = "") -> None:
         if self.failure is None:

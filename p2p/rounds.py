@@ -61,6 +61,7 @@ class RoundOutcome:
     members: list[str] = field(default_factory=list)
     gather_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+    blamed: list[str] = field(default_factory=list)  # members this peer held to account for it
 
 
 @dataclass(eq=False)
@@ -193,7 +194,7 @@ class RoundProtocol:
             await asyncio.shield(self._broadcast_abort(group, reason))
             self.metrics.averaging_failures.labels(reason=reason).inc()
             self.last = RoundOutcome("aborted", reason, group.id.hex()[:8], group.members,
-                                     gathered - started, time.monotonic() - gathered)
+                                     gathered - started, time.monotonic() - gathered, self._judge(group))
             log.warning("round %d attempt %s with %d members aborted: %s", round + 1, group.id.hex()[:8],
                         len(group.members), e)
             if isinstance(e, asyncio.CancelledError):
@@ -201,13 +202,14 @@ class RoundProtocol:
             return None
         finally:
             self._group = None
-            self._judge(group)
+        blamed = self._judge(group)
         seconds = time.monotonic() - gathered
         if feedback is not None:  # only a committed round consumes the residual; the old one's buffer is next
             self._buffers["residual"] = feedback.adopt(group.residual)
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
-        self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds)
+        self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds,
+                                 blamed)
         self.signing.committed(group.id, group.members, round + 1)
         faults.checkpoint("commit", round + 1, len(group.members))
         return unflatten(result, tensors, copy=False)  # the group's result buffer is ours alone now
@@ -231,10 +233,16 @@ class RoundProtocol:
             self.metrics.quarantined_peers.set(len(self.quarantine.active(time.monotonic())))
             log.warning("quarantined peer %s for %.0fs: %s", peer[-8:], self.quarantine.seconds, reason)
 
-    def _judge(self, group: Group) -> None:
-        """After an attempt: the members whose input (or output, as owners) this peer refused."""
-        for peer, reason in group.blame.items():
+    def _judge(self, group: Group) -> list[str]:
+        """After an attempt: the members whose input (or output, as owners) this peer refused,
+        and whoever started the aborts it got (a strike, should it keep doing so). Returns them."""
+        blamed = dict(group.blame)
+        starter = group.abort_starter()
+        if starter is not None:
+            blamed.setdefault(starter, "aborted")
+        for peer, reason in blamed.items():
             self.offence(peer, reason)
+        return sorted(blamed)
 
     async def _gather(self, round: int, started: float) -> Group:
         leader_wait_limit = self.gather_timeout + 2 * self.request_timeout
@@ -575,9 +583,7 @@ class RoundProtocol:
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
         group, index = await self._group_for(sender, header)
         if "abort" in header:
-            if group.failure is None:  # the first to give up: a strike if it keeps doing so
-                group.blame.setdefault(sender, "aborted")
-            group.fail("aborted_by_peer", str(header["abort"])[:40])
+            group.aborted_by(sender, str(header["abort"])[:40])
         else:
             group.add_vote(index, hfield(header, "digest", bytes))
         await reply(writer, {"ok": True})

@@ -36,7 +36,7 @@ from hivemind.dht.routing import get_dht_time
 from hivemind.p2p import P2P, PeerID
 
 from p2p.config import SwarmConfig
-from p2p.limits import StreamLimits
+from p2p.limits import BoundedDict, StreamLimits
 from p2p.identity import generate_identity
 from p2p.membership import Membership
 from p2p.records import RecordSigner, RunRecordValidator, max_ttl, peer_table_key
@@ -195,6 +195,8 @@ class Swarm:
         self._logged_rejects: set[str] = set()
         # Peers met so far (bootstrap and table entries), for re-entering the DHT after a pause.
         self._known: dict[str, None] = {}
+        # The records of the last lookups, each until its DHT expiration: peer -> (record, expiry).
+        self._unexpired = BoundedDict(MAX_TABLE_ENTRIES)
         self._reconnected_at = 0.0
         # What this node trains; peers announcing another fingerprint are refused (``strangers``).
         self.fingerprint: Fingerprint | None = None
@@ -520,6 +522,7 @@ class Swarm:
             self.reject("peer_table_full", f"{len(entries)} entries")
             newest = sorted(entries.items(), key=lambda kv: -getattr(kv[1], "expiration_time", 0.0))
             entries = dict(newest[:MAX_TABLE_ENTRIES])
+        now = get_dht_time()
         for subkey, item in entries.items():
             if subkey == self.peer_id:
                 continue
@@ -531,14 +534,27 @@ class Swarm:
             admitted, why = self.membership.admits(record.peer_id, time.time())
             if not admitted:  # e.g. dropped from the allow-file since its entry was stored
                 self.reject("not_admitted", f"{record.peer_id}: {why}")
+                self._unexpired.pop(record.peer_id, None)
                 continue
             if self._refused(record):
+                self._unexpired.pop(record.peer_id, None)
                 continue
             if record.state != "stopped":
                 peers[record.peer_id] = record
                 self._remember(record.peer_id)
+                # Held no longer than a heartbeat's own life, whatever expiry its sender chose.
+                expiry = min(float(getattr(item, "expiration_time", 0.0)), now + 3 * self.config.heartbeat_interval)
+                self._unexpired[record.peer_id] = (record, expiry)
+            else:
+                self._unexpired.pop(record.peer_id, None)
         if not peers and self._known and await self.reconnect():
             return await self.refresh_peers()
+        # A lookup can come back short (a DHT node that did not answer in time): a record that was
+        # found before and has not expired is still the peer's word, as it is in the DHT itself.
+        # Without this, one short lookup under load made a node see itself alone and lead alone.
+        self._unexpired.retain(lambda p, kept: kept[1] > now)
+        for peer, (record, _) in list(self._unexpired.items()):
+            peers.setdefault(peer, record)
         self._peers, self._peers_at = peers, time.monotonic()
         self.table_fresh = True
         return peers

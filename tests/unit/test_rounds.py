@@ -133,6 +133,29 @@ async def test_stranger_and_garbage_are_refused_and_counted():
         await stop_peers(peers)
 
 
+async def test_a_short_lookup_keeps_the_records_found_before_until_they_expire():
+    # A DHT lookup can come back without a record that is still in the DHT (a node that did
+    # not answer in time); a node that took that for the truth saw itself alone and led alone.
+    peers = await start_peers(2, heartbeat_interval=1.0)
+    try:
+        (a, _, _), (b, _, _) = peers
+        async with asyncio.timeout(30):
+            while b.peer_id not in await a.refresh_peers():
+                await asyncio.sleep(0.1)
+        b._heartbeat_task.cancel()  # b goes silent: its last record lives for 3 heartbeats at most
+        await asyncio.gather(b._heartbeat_task, return_exceptions=True)
+
+        async def found_nothing(key, latest=False):
+            return None
+
+        a.dht.get = found_nothing
+        assert b.peer_id in await a.refresh_peers() and a.table_fresh
+        async with asyncio.timeout(30):  # and gone once that record expires
+            while b.peer_id in await a.refresh_peers():
+                await asyncio.sleep(0.1)
+    finally:
+        await stop_peers(peers)
+
 
 async def test_peers_that_forgot_each_other_find_the_swarm_again():
     # What a SIGSTOP does: the paused peer's DHT requests all time out when it resumes, and
