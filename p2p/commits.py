@@ -26,36 +26,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
-from hivemind.proto import crypto_pb2
 
-from p2p.records import peer_id_of_public_key
+from p2p.records import peer_id_of_public_key, verify_rsa
 
 MAX_MEMBERS = 1024
 MAX_KEY_BYTES = 1024  # a serialized RSA-4096 public key is ~550 bytes
 MAX_SIGNATURE_BYTES = 1024
 MAX_CERTS_PER_REPLY = 4096
 _HASH_CHARS = 128
-
-
-def verify_rsa(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    """Whether ``signature`` is the PKCS#1 v1.5 SHA-256 signature of ``message`` by the serialized
-    libp2p RSA ``public_key`` (``crypto_pb2.PublicKey``); False for anything malformed."""
-    try:
-        proto = crypto_pb2.PublicKey.FromString(public_key)
-        if proto.key_type != crypto_pb2.RSA:
-            return False
-        key = serialization.load_der_public_key(proto.data)
-        if not isinstance(key, rsa.RSAPublicKey) or not 2048 <= key.key_size <= 4096:
-            return False
-        key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
-        return True
-    except InvalidSignature:
-        return False
-    except Exception:  # a key or signature that does not even parse
-        return False
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ covers ``[MAGIC, key, subkey, value, expiration_time, public_key, cert]``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from typing import Callable
@@ -50,6 +51,33 @@ MAX_PUBLIC_KEY_BYTES = 1024  # RSA-4096 is ~550 bytes serialized
 _CACHE_SIZE = 4096
 # Allowed on top of 3 heartbeat intervals: clock skew between hosts and a slow store.
 EXPIRY_SLACK_SECONDS = 10.0
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def rsa_public_key(public_key: bytes) -> rsa.RSAPublicKey | None:
+    """The serialized libp2p RSA ``public_key`` (``crypto_pb2.PublicKey``), parsed; None unless it
+    is an RSA key of 2048 to 4096 bits. Cached: peers sign with the same few keys over and over."""
+    try:
+        message = crypto_pb2.PublicKey.FromString(public_key)
+        if message.key_type != crypto_pb2.RSA:
+            return None
+        key = serialization.load_der_public_key(message.data)
+    except Exception:  # a key that does not even parse
+        return None
+    return key if isinstance(key, rsa.RSAPublicKey) and 2048 <= key.key_size <= 4096 else None
+
+
+def verify_rsa(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` is the PKCS#1 v1.5 SHA-256 signature (as libp2p signs with RSA keys)
+    of ``message`` by ``public_key`` (see ``rsa_public_key``); False for anything malformed."""
+    key = rsa_public_key(public_key)
+    if key is None:
+        return False
+    try:
+        key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+    except (InvalidSignature, TypeError, ValueError):
+        return False
+    return True
 
 
 def peer_table_key(run_id: str) -> str:
@@ -132,7 +160,6 @@ class RunRecordValidator(RecordValidatorBase):
         self.clock = clock
         self.peers_key = _key_id(peer_table_key(run_id))
         self._own_subkey = MSGPackSerializer.dumps(signer.peer_id)
-        self._keys: dict[bytes, rsa.RSAPublicKey] = {}  # serialized public key -> parsed
         self._verified: dict[bytes, None] = {}  # digests of records whose signature checked out
 
     # ---- RecordValidatorBase ---------------------------------------------------------
@@ -208,20 +235,9 @@ class RunRecordValidator(RecordValidatorBase):
         return owner
 
     def _verify(self, public_key: bytes, signature: bytes, record: DHTRecord, value: bytes, cert: bytes) -> None:
-        key = self._keys.get(public_key)
-        if key is None:
-            message = crypto_pb2.PublicKey.FromString(public_key)
-            if message.key_type != crypto_pb2.RSA:
-                raise RecordRefused("record_bad_signature")
-            key = serialization.load_der_public_key(message.data)
-            if not isinstance(key, rsa.RSAPublicKey) or not 2048 <= key.key_size <= 4096:
-                raise RecordRefused("record_bad_signature")
-            self._remember(self._keys, public_key, key)
-        try:
-            key.verify(signature, _signed_message(record.key, record.subkey, value, record.expiration_time,
-                                                  public_key, cert), padding.PKCS1v15(), hashes.SHA256())
-        except InvalidSignature:
-            raise RecordRefused("record_bad_signature") from None
+        if not verify_rsa(public_key, _signed_message(record.key, record.subkey, value, record.expiration_time,
+                                                      public_key, cert), signature):
+            raise RecordRefused("record_bad_signature")
         try:  # the value reaches hivemind's deserializer after strip_value: it must load as a map
             if not isinstance(_unpack(value, MAX_VALUE_BYTES), dict):
                 raise ValueError("not a map")
