@@ -17,7 +17,7 @@ import sys
 from typing import Any, NoReturn
 
 from node import admit_cmd, export_cmd, prepare_cmd
-from node.config import ConfigError, default_control_path, load_config, to_toml
+from node.config import ConfigError, load_config, to_toml
 
 PROG = "gonka-node"
 # A ValueError whose message starts with a dotted key is a bad setting found

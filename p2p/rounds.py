@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p import faults, hostile
+from p2p.audit import PartAudit
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.commits import CommitLog
 from p2p.compression import flatten, unflatten
@@ -112,6 +113,9 @@ class RoundProtocol:
         self._buffers: dict[str, torch.Tensor] = {}
         self._flood_task: asyncio.Task | None = None
         self.exchange = PartExchange(self._open, metrics, swarm.reject, self.deadlines)
+        # Every member checks a sampled piece of another's part before it votes (p2p/audit.py).
+        self.audits = PartAudit(self.codec, metrics, self._call, self._send, swarm.reject, self.offence,
+                                cfg.request_timeout)
 
     async def start(self) -> None:
         kernels = getattr(self.codec, "kernels", None)
@@ -387,7 +391,7 @@ class RoundProtocol:
         others = [p for p in group.members if p != group.me]
         # A member votes only once its own audit is clean: all votes in and equal means every
         # sampled piece was recomputed and matched, and nobody applies anything otherwise.
-        await all_or_fail([asyncio.ensure_future(self._audit(group, others, deadline))], group)
+        await all_or_fail([asyncio.ensure_future(self.audits.check(group, others))], group)
         vote = group.digest()
         group.add_vote(group.index, vote)
         await self._to_all(group, others, {"g": group.id, "digest": vote}, group.agreed(deadline))
@@ -399,41 +403,6 @@ class RoundProtocol:
         """Send ``header`` to every other member and wait for ``until`` (all or fail)."""
         sends = [asyncio.ensure_future(self._call(p, "vote", header)) for p in others]
         await all_or_fail([*sends, asyncio.ensure_future(until)], group)
-
-    async def _audit(self, group: Group, others: list[str], deadline: float) -> None:
-        """Recompute one sampled piece of the previous member's part from every member's input
-        (``Group.audit``), tell the others it is clean, and wait until every auditor said so.
-        A lying owner (or a member lying to us about its input) fails the round here, before
-        anyone applies it."""
-        target = group.audit_target()
-        if target is None:
-            return
-        index, k = target
-        start, end = group.pieces[index][k]
-        expected = self.codec.wire_bytes(end - start)
-
-        async def fetch(i: int) -> bytes:
-            if i == group.index:
-                return await off_loop(group.contribution, index, k)
-            reply_header, payload = await self._call(group.members[i], "audit", {"g": group.id, "j": index, "k": k},
-                                                     max_payload=expected)
-            if len(payload) != expected:
-                group.blame.setdefault(group.members[i], "audit_failed")
-                raise RoundFailed("audit_failed", f"{group.members[i][-8:]} sent no input")
-            return payload
-
-        payloads = await asyncio.gather(*(fetch(i) for i in range(len(group.members))))
-        culprit = await off_loop(group.audit, index, k, payloads)
-        if culprit is not None:
-            peer = group.members[int(culprit)]
-            group.blame.setdefault(peer, "audit_failed")
-            self.swarm.reject("audit_failed", f"piece {k} of {group.members[index][-8:]}'s part, by {peer[-8:]}")
-            if int(culprit) == index:  # the owner: every member can check the evidence itself
-                header = {"g": group.id, "j": index, "k": k, "d": group.declared[index][k]}
-                evidence = b"".join(payloads)
-                await asyncio.gather(*(self._send(p, "evidence", header, evidence) for p in others),
-                                     return_exceptions=True)
-            raise RoundFailed("audit_failed", f"{peer[-8:]}")
 
     async def _broadcast_abort(self, group: Group, reason: str) -> None:
         others = [p for p in group.members if p != group.me]
@@ -601,44 +570,12 @@ class RoundProtocol:
         return self.signing.certify(prev, new)
 
     async def _on_evidence(self, sender: str, header: dict, reader, writer) -> None:
-        """An auditor's evidence that the owner of a part lied: every member's input to the piece.
-        Checked here like the auditor checked it (the inputs must match the declaration all
-        members voted on); whoever the evidence shows lying is quarantined — the owner, or the
-        accuser if the evidence does not hold."""
         group, _ = await self._group_for(sender, header)
-        j, k, declared = hfield(header, "j", int), hfield(header, "k", int), hfield(header, "d", bytes)
-        if not (0 <= j < len(group.members) and 0 <= k < len(group.pieces[j])):
-            raise WireError("bad_field", "evidence piece")
-        await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout)
-        if declared != group.declared[j][k]:  # the owner told us otherwise, or the accuser lies: no blame
-            group.fail("digest_mismatch", f"declarations of piece {k} of {group.members[j][-8:]}'s part differ")
-            await reply(writer, {"ok": True})
-            return
-        start, end = group.pieces[j][k]
-        size = self.codec.wire_bytes(end - start)
-        _, payload = await read_frame(reader, self.request_timeout, max_payload=size * len(group.members))
-        if len(payload) != size * len(group.members):
-            raise WireError("bad_size", "evidence")
-        payloads = [payload[i * size:(i + 1) * size] for i in range(len(group.members))]
-        culprit = await off_loop(group.audit, j, k, payloads)
-        if culprit is not None and int(culprit) == j:
-            self.swarm.reject("audit_failed", f"piece {k} of {group.members[j][-8:]}'s part, shown by {sender[-8:]}")
-            group.blame.setdefault(group.members[j], "audit_failed")
-            self.offence(group.members[j], "audit_failed")
-            group.fail("audit_failed", f"{group.members[j][-8:]}, shown by {sender[-8:]}")  # not the auditor's fault
-        else:  # the evidence does not show what it claims: the accuser lied
-            self.swarm.reject("bad_evidence", sender[-8:])
-            self.offence(sender, "bad_evidence")
-        await reply(writer, {"ok": True})
+        await self.audits.on_evidence(group, sender, header, reader, writer)
 
     async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:
-        """An auditor asks for our input to one piece of one part (re-encoded: the same bytes)."""
         group, _ = await self._group_for(sender, header)
-        j, k = hfield(header, "j", int), hfield(header, "k", int)
-        if not (0 <= j < len(group.members) and 0 <= k < len(group.pieces[j])):
-            raise WireError("bad_field", "audit piece")
-        payload = await off_loop(group.contribution, j, k)
-        self.metrics.sent_bytes.inc(await write_frame(writer, {"ok": True}, payload))
+        await self.audits.on_audit(group, header, writer)
 
 
 class _Behind(Exception):

@@ -11,11 +11,10 @@ and compare ``params_hash`` after a round. Entries come from other peers and
 are validated like any other message; ``p2p/records.py`` makes the DHT accept
 an entry only when its owner signed it with its libp2p key.
 
-A closed swarm (``p2p/membership.py``) keeps outsiders out of the DHT: their
-ping, store and find calls are refused, they never enter the routing table,
-and their entries are refused. Every node serves its membership certificate
-on ``gonka.<run>.member`` so a member that does not know a caller yet can ask
-for it. ``Swarm.admits`` is the one check every request handler makes.
+A closed swarm (``p2p/membership.py``, enforced by ``p2p/admission.py``)
+keeps outsiders out of the DHT: their ping, store and find calls are refused,
+they never enter the routing table, and their entries are refused.
+``Swarm.admits`` is the one check every request handler makes.
 """
 
 from __future__ import annotations
@@ -35,12 +34,12 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import get_dht_time
 from hivemind.p2p import P2P, PeerID
 
+from p2p.admission import Admission
 from p2p.config import SwarmConfig
 from p2p.limits import BoundedDict, StreamLimits
 from p2p.identity import generate_identity
 from p2p.membership import Membership
 from p2p.records import RecordSigner, RunRecordValidator, max_ttl, peer_table_key
-from p2p.wire import close_writer, linger, read_frame, write_frame
 from trainer.files import atomic_write
 from trainer.fingerprint import Fingerprint, parse_parts
 
@@ -52,10 +51,6 @@ STATES = ("joining", "training", "ready", "averaging", "stopped")
 MAX_TABLE_ENTRIES = 4096
 _PR_SET_PDEATHSIG = 1
 # Certificate look-ups of callers we do not know yet (closed swarm with an authority).
-CERT_FETCH_SECONDS = 5.0  # at most, for one look-up
-CERT_RETRY_SECONDS = 5.0  # a peer that had no good certificate is not asked again before this
-MAX_CERT_FETCHES = 64  # look-ups in flight at once
-_MAX_TRACKED = 4096  # entries of the per-peer dicts below
 
 
 def _die_with_parent() -> None:
@@ -176,11 +171,9 @@ class Swarm:
         self.maddrs: list[str] = []
         self._on_reject = on_reject
         self._key = peer_table_key(run_id)
-        # Who may take part (open swarm: everyone); see admits().
+        # Who may take part (open swarm: everyone), enforced by ``admission`` (p2p/admission.py).
         self.membership = membership
-        self._member_name = f"gonka.{run_id}.member"
-        self._cert_fetches: dict[str, asyncio.Task] = {}
-        self._no_cert: dict[str, float] = {}  # peer -> when a look-up found no good certificate
+        self.admission = Admission(membership, p2p, run_id, self.reject, config.request_timeout)
         # This node's libp2p key (the one p2pd uses): signs heartbeats and whatever else it vouches for.
         self.signer: RecordSigner | None = None
         # Streams each peer has open to us, over every protocol (p2p/limits.py).
@@ -271,8 +264,7 @@ class Swarm:
 
     async def _start_dht(self, signer: RecordSigner) -> None:
         config = self.config
-        # Before the DHT: a member we bootstrap through asks for our certificate first.
-        await self.p2p.add_binary_stream_handler(self._member_name, self._serve_cert)
+        await self.admission.start()
         if self.membership.closed:
             self.p2p.gate = self.admits
         validator = RunRecordValidator(self.run_id, signer, self.membership, max_ttl(config.heartbeat_interval),
@@ -291,31 +283,7 @@ class Swarm:
                 record_validator=validator,
             )
         if self.membership.closed:
-            await self._gate_routing_table()
-
-    async def _gate_routing_table(self) -> None:
-        """Never keep a peer that is not admitted in the DHT routing table (the peers this node
-        tells others about, and stores records on). hivemind updates the table on every
-        request in and out through ``protocol.update_routing_table``; this wraps it."""
-        protocol = self.dht.protocol
-        table = protocol.routing_table
-        update = protocol.update_routing_table
-
-        async def update_routing_table(node_id, peer_id: PeerID, responded: bool = True):
-            if responded and not await self.admits(peer_id.to_base58(), count=False):
-                node_id = node_id if node_id is not None else table.get(peer_id=peer_id)
-                if node_id is not None and node_id in table:
-                    del table[node_id]
-                return
-            await update(node_id, peer_id, responded=responded)
-
-        protocol.update_routing_table = update_routing_table
-        # Whatever the bootstrap added before the wrapper was in place.
-        entries = list(table.uid_to_peer_id.items())
-        verdicts = await asyncio.gather(*(self.admits(p.to_base58(), count=False) for _, p in entries))
-        for (node_id, _), admitted in zip(entries, verdicts):
-            if not admitted and node_id in table:
-                del table[node_id]
+            await self.admission.gate_routing_table(self.dht.protocol)
 
     async def set_fingerprint(self, fingerprint: Fingerprint) -> None:
         """Say what this node trains and start announcing it."""
@@ -411,8 +379,7 @@ class Swarm:
     async def close(self) -> None:
         """Leave and shut down DHT and p2pd; collects errors rather than stopping at the first."""
         errors = []
-        for task in list(self._cert_fetches.values()):
-            task.cancel()
+        self.admission.close()
         for step in (self.leave, self.dht.shutdown, self.p2p.shutdown):
             try:
                 async with asyncio.timeout(self.config.request_timeout):
@@ -425,72 +392,14 @@ class Swarm:
     # ---- who may take part --------------------------------------------------------
 
     async def admits(self, peer_id: str, *, count: bool = True) -> bool:
-        """Whether ``peer_id`` may take part in this run: the check every handler of a peer's
-        request makes first (with the authenticated remote peer id). Always True in an open
-        swarm. In a closed one with an authority, a caller whose certificate this node has
-        not seen yet is asked for it (one look-up at a time per peer, bounded in time; a
-        failed one is not retried for a few seconds). A refusal is counted as
-        ``not_admitted`` unless ``count`` is False."""
-        membership = self.membership
-        if not membership.closed:
-            return True
-        admitted, why = membership.admits(peer_id, time.time())
-        if not admitted and membership.authority is not None:
-            await self._fetch_cert(peer_id)
-            admitted, why = membership.admits(peer_id, time.time())
-        if not admitted and count:
-            self.reject("not_admitted", f"{peer_id}: {why}")
-        return admitted
+        """Whether ``peer_id`` may take part in this run (``Admission.admits``): the check every
+        handler of a peer's request makes first, with the authenticated remote peer id."""
+        return await self.admission.admits(peer_id, count=count)
 
     def admitted(self, peer_id: str) -> bool:
         """``admits`` without a look-up and uncounted: what this node knows now. For pure checks
         that take a ``Callable[[str], bool]`` (e.g. who may sign a commit certificate)."""
-        return self.membership.admits(peer_id, time.time())[0]
-
-    async def _fetch_cert(self, peer_id: str) -> None:
-        failed_at = self._no_cert.get(peer_id)
-        if failed_at is not None and time.monotonic() - failed_at < CERT_RETRY_SECONDS:
-            return
-        task = self._cert_fetches.get(peer_id)
-        if task is None:
-            if len(self._cert_fetches) >= MAX_CERT_FETCHES:
-                return
-            task = self._cert_fetches[peer_id] = asyncio.create_task(self._ask_cert(peer_id), name="member-cert")
-            task.add_done_callback(lambda _: self._cert_fetches.pop(peer_id, None))
-        with contextlib.suppress(Exception):
-            await asyncio.shield(task)  # a caller that gives up does not cancel the others' look-up
-
-    async def _ask_cert(self, peer_id: str) -> None:
-        timeout = min(CERT_FETCH_SECONDS, self.config.request_timeout)
-        why = ""
-        try:
-            async with asyncio.timeout(timeout):
-                _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id_from(peer_id),
-                                                                               self._member_name)
-                try:
-                    header, _ = await read_frame(reader, timeout, max_payload=0)
-                finally:
-                    await close_writer(writer)
-            cert = header.get("cert")
-            why = self.membership.learn_cert(cert, time.time()) if isinstance(cert, bytes) and cert else "none"
-        except Exception as e:  # unreachable, timed out, garbage: no certificate
-            why = f"no answer ({type(e).__name__})"
-        if why:
-            log.debug("no membership certificate from %s: %s", peer_id, why)
-            self._no_cert.pop(peer_id, None)
-            self._no_cert[peer_id] = time.monotonic()
-            while len(self._no_cert) > _MAX_TRACKED:
-                del self._no_cert[next(iter(self._no_cert))]
-
-    async def _serve_cert(self, info, reader, writer) -> None:
-        """``gonka.<run>.member``: answer with this node's certificate (empty without one)."""
-        try:
-            await write_frame(writer, {"cert": self.membership.own_cert})
-            await linger(reader, min(CERT_FETCH_SECONDS, self.config.request_timeout))
-        except Exception:  # a requester that went away is no error
-            pass
-        finally:
-            await close_writer(writer)
+        return self.admission.admitted(peer_id)
 
     # ---- what the swarm looks like ----------------------------------------------
 

@@ -154,8 +154,6 @@ def test_eager_starts_average_to_the_committed_parameters(corpus):
 
 def test_an_average_that_lands_before_the_first_step_is_a_round_without_overlap(corpus):
     """The local copy moves with θ when an average lands; landing at once leaves nothing stale."""
-    import torch
-
     def final(overlap, land_after=1.0):
         sim = make_sim(corpus, overlap=overlap, land_after=land_after)
         sim.run_sync(3, 4)
