@@ -64,6 +64,8 @@ class PartAudit:
             return
         peer = group.members[int(culprit)]
         group.blame.setdefault(peer, "audit_failed")
+        # Failed here first: the aborts the evidence sets off answer ours, they start nothing.
+        group.fail("audit_failed", peer[-8:])
         self._reject("audit_failed", f"piece {k} of {group.members[index][-8:]}'s part, by {peer[-8:]}")
         if int(culprit) == index:  # the owner: every member can check the evidence itself
             header = {"g": group.id, "j": index, "k": k, "d": group.declared[index][k]}

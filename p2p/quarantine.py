@@ -4,8 +4,8 @@ Two kinds of offence. A *lie* — input no honest peer sends (a malformed or
 non-finite piece, an impossible or capped weight, an owner's slice that an
 audit recomputed differently, a misreported input) — quarantines the peer at
 once. A *fault* — it aborted a round, refused a group, led a round it never
-started while we saw a quorum ready, or announced a state without
-certificates — could be bad luck, so it is a strike, and ``strikes`` of them
+started while we saw a quorum ready, announced a state without certificates,
+or had more streams open to us than it may — could be bad luck, so it is a strike, and ``strikes`` of them
 within the quarantine period quarantine it. A quarantined peer is kept out of every
 group this node leads and its ``begin`` is refused; it still counts as live in
 the quorum (``quorum.py``) while it heartbeats, so quarantine can never let a
@@ -23,7 +23,7 @@ LIES = frozenset({
 })
 # Offences an honest peer may commit by bad luck (a leader whose begin was lost, whose view of
 # the quorum was not ours): counted as strikes.
-FAULTS = frozenset({"aborted", "refused", "silent_leader", "uncertified_state"})
+FAULTS = frozenset({"aborted", "refused", "silent_leader", "uncertified_state", "stream_flood"})
 STRIKES = 3
 
 

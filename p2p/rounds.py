@@ -40,7 +40,7 @@ from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.quarantine import Quarantine
-from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
+from p2p.quorum import accept_group, can_start, follow, leave_out, live_peers, quorum
 from p2p.signing import CommitSigning
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
@@ -104,6 +104,11 @@ class RoundProtocol:
         self._group: Group | None = None
         self._group_set = asyncio.Event()
         self._suspects: BoundedDict = BoundedDict(4096)
+        # Peers that sit a round out of the groups we lead or join -> that round (``_left_out``):
+        # they started the abort of an attempt we were in, or a member refused a group we led
+        # because it had quarantined them.
+        self._sitting_out: BoundedDict = BoundedDict(4096)
+        self._floods: BoundedDict = BoundedDict(4096)  # peer -> when its last flood strike was given
         # Peers that told us directly they are ready for a round (peer -> round).
         self._ready_hints: BoundedDict = BoundedDict(4096)
         # Wakes a gather before its next poll: a hint came in, or a group was installed.
@@ -230,12 +235,28 @@ class RoundProtocol:
         quarantined = self.quarantine.active(now)
         return {p: r for p, r in peers.items() if p not in self._suspects and p not in quarantined}
 
+    def _left_out(self, round: int, live: set[str]) -> set[str]:
+        """Who sits ``round`` out (see ``_sitting_out``), while the others still make a quorum."""
+        return leave_out((p for p, r in self._sitting_out.items() if r == round), live, self.min_peers,
+                         excluded=self.quarantine.active(time.monotonic()))
+
     def offence(self, peer: str, reason: str) -> None:
         """Record what a peer did (p2p/quarantine.py); count and log a new quarantine."""
         if peer != self.swarm.peer_id and self.quarantine.offence(peer, reason, time.monotonic()):
             self.metrics.quarantined.labels(reason=reason).inc()
             self.metrics.quarantined_peers.set(len(self.quarantine.active(time.monotonic())))
             log.warning("quarantined peer %s for %.0fs: %s", peer[-8:], self.quarantine.seconds, reason)
+
+    def _flooded_by(self, peer: str) -> None:
+        """``peer`` has as many streams open to us as it may: a peer we cannot even hear out is no
+        member to group with. A strike, at most one a second (a flood is many refusals at once;
+        an honest peer that a slow moment piled up gets one), and out of our groups for a while."""
+        now = time.monotonic()
+        last = self._floods.get(peer)
+        if last is None or now - last >= 1.0:
+            self._floods[peer] = now
+            self._suspect(peer, 3 * self.swarm.config.heartbeat_interval)
+            self.offence(peer, "stream_flood")
 
     def _judge(self, group: Group) -> list[str]:
         """After an attempt: the members whose input (or output, as owners) this peer refused,
@@ -244,6 +265,7 @@ class RoundProtocol:
         starter = group.abort_starter()
         if starter is not None:
             blamed.setdefault(starter, "aborted")
+            self._sitting_out[starter] = group.round
         for peer, reason in blamed.items():
             self.offence(peer, reason)
         return sorted(blamed)
@@ -262,7 +284,8 @@ class RoundProtocol:
             table = await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0)
             # Suspected and quarantined peers stay in the quorum's count while they heartbeat.
             live = live_peers(table, self.swarm.peer_id)
-            peers = self._live(table)
+            out = self._left_out(round, live)
+            peers = {p: r for p, r in self._live(table).items() if p not in out}
             # The swarm moved on: a majority of the others hold a newer round (or, once we have
             # waited a whole gather without a quorum, enough of them to be one with us).
             stuck = time.monotonic() - started > self.gather_timeout
@@ -359,6 +382,15 @@ class RoundProtocol:
         for p, res in zip(others, results):
             if p in refused:
                 silent = isinstance(res, BaseException)
+                named = [] if silent else res[0].get("peers")
+                if (isinstance(named, list) and named and all(isinstance(q, str) for q in named)
+                        and set(named) <= set(members) - {p, self.swarm.peer_id}):
+                    # It quarantined those members: without them it will take part. One peer's word,
+                    # so only for this round, and only while the rest still make a quorum (_left_out).
+                    for q in named:
+                        self._sitting_out[q] = round
+                    log.info("round %d: %s refused a group with %d peer(s) it quarantined", round, p[-8:], len(named))
+                    continue
                 self._suspect(p, 3 * self.swarm.config.heartbeat_interval if silent else POLL_SECONDS * 4)
                 log.info("round %d: %s %s the group", round, p[-8:], "did not answer" if silent else "refused")
         await self._broadcast_abort(group, "member_refused")
@@ -452,6 +484,7 @@ class RoundProtocol:
             sender = info.peer_id.to_base58()
             if not self.swarm.streams.acquire(sender):
                 self.swarm.reject("stream_flood", sender[-8:])
+                self._flooded_by(sender)
                 await close_writer(writer)
                 return
             try:
@@ -511,8 +544,15 @@ class RoundProtocol:
             raise WireError("bad_members")
         if sender != members[0] or self.swarm.peer_id not in members:
             raise RoundFailed("not_a_member")
-        if self.quarantine.quarantined(sender, time.monotonic()):
+        quarantined = self.quarantine.active(time.monotonic())
+        if sender in quarantined:
             await reply(writer, {"ok": False, "reason": "quarantined"})
+            return
+        if named := sorted(quarantined.intersection(members)):  # we would refuse their input: say whose
+            await reply(writer, {"ok": False, "reason": "quarantined", "peers": named})
+            return
+        if sender in self._left_out(round, live_peers(self.swarm.peers, self.swarm.peer_id)):
+            await reply(writer, {"ok": False, "reason": "left_out"})
             return
         if waiting is None or waiting.round != round or waiting.group.done():
             await reply(writer, {"ok": False, "reason": "not_waiting"})

@@ -38,11 +38,11 @@ async def settle(peers) -> None:
 STEADY = dict(heartbeat_interval=1.0)
 
 
-async def seen_ready(peers, peer_id: str) -> None:
-    """Until every one of ``peers`` sees ``peer_id`` ready."""
+async def seen_ready(peers, peer_id: str, round: int = 0) -> None:
+    """Until every one of ``peers`` sees ``peer_id`` ready for ``round``."""
     for _ in range(200):
         tables = [await s.refresh_peers() for s, _, _ in peers if s.peer_id != peer_id]
-        if all(peer_id in t and t[peer_id].state == "ready" for t in tables):
+        if all(peer_id in t and (t[peer_id].state, t[peer_id].round) == ("ready", round) for t in tables):
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"{peer_id[-8:]} never looked ready")
@@ -54,7 +54,7 @@ async def attempt(rounds_list, inputs, weight=1.0, round=0, timeout=60):
                                   timeout)
 
 
-async def until_committed(rounds_list, inputs, tries: int = 6, timeout: float = 90.0):
+async def until_committed(rounds_list, inputs, tries: int = 6, timeout: float = 90.0, round: int = 0):
     """Each of ``rounds_list`` averages until it commits, as a node does: an aborted attempt is
     tried again at once; a commit announces the next round, so a peer left out of that group
     learns it is behind instead of waiting for peers that are done. Returns each peer's result
@@ -62,10 +62,10 @@ async def until_committed(rounds_list, inputs, tries: int = 6, timeout: float = 
     async def one(r, x):
         outcomes = []
         for _ in range(tries):
-            result = await r.average([x], 1.0, 0)
+            result = await r.average([x], 1.0, round)
             outcomes.append(r.last)
             if result is not None:
-                r.swarm.announce(state="training", round=1)
+                r.swarm.announce(state="training", round=round + 1)
                 return result, outcomes
             if r.last.status == "behind":
                 break
@@ -166,9 +166,10 @@ async def test_a_negative_weight_aborts_the_attempt_and_the_others_commit_withou
         await stop_peers(peers)
 
 
-async def _keep_averaging(rounds, x):
+async def _keep_averaging(rounds, x, at=lambda: 0):
+    """A hostile member's loop: average at round ``at()`` (the honest peers' round) again and again."""
     while True:
-        await rounds.average([x], 1.0, 0)
+        await rounds.average([x], 1.0, at())
         await asyncio.sleep(0.1)
 
 
@@ -211,17 +212,25 @@ async def test_a_member_that_always_aborts_is_quarantined_after_three_strikes():
         rounds[3].hostile = Behaviour(abort=True)
         inputs = honest_inputs(4, 256)
         honest = rounds[:3]
-        task = asyncio.ensure_future(_keep_averaging(rounds[3], inputs[3]))
-        await seen_ready(peers, aborter)  # so that the first group has it
-        results, outcomes = await until_committed(honest, inputs[:3], tries=8)
-        assert all(torch.equal(res[0], results[0][0]) for res in results)
-        assert all(aborter not in r.last.members for r in honest)
-        # Every abort it started was a strike wherever it landed; three quarantine it. (A peer may
-        # be in more groups with it than that, led by one that has not seen three yet, or in
-        # fewer, when the others formed a group without it while it was busy in another one.)
-        for r, seen in zip(honest, outcomes):
-            spoiled = sum(aborter in o.blamed for o in seen)
-            assert r.quarantine.quarantined(aborter, time.monotonic()) == (spoiled >= 3), story(outcomes)
+        current = [0]
+        task = asyncio.ensure_future(_keep_averaging(rounds[3], inputs[3], lambda: current[0]))
+        seen = [[] for _ in honest]
+        for round in range(4):
+            current[0] = round
+            await seen_ready(peers, aborter, round)  # so that the round's first group has it
+            results, outcomes = await until_committed(honest, inputs[:3], round=round)
+            assert all(torch.equal(res[0], results[0][0]) for res in results)
+            assert all(aborter not in r.last.members for r in honest)
+            # Whoever saw it start an abort leaves it out of the round's next attempts.
+            assert all(sum(aborter in o.blamed for o in mine) <= 1 for mine in outcomes), story(outcomes)
+            for mine, more in zip(seen, outcomes):
+                mine.extend(more)
+        # Each abort it started was a strike wherever it landed; three quarantine it, and then it
+        # is out of the first attempt too.
+        for r, mine in zip(honest, seen):
+            spoiled = sum(aborter in o.blamed for o in mine)
+            assert r.quarantine.quarantined(aborter, time.monotonic()) == (spoiled >= 3), story(seen)
+        assert any(r.quarantine.quarantined(aborter, time.monotonic()) for r in honest), story(seen)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     finally:
@@ -265,7 +274,13 @@ async def test_a_stream_flood_is_refused_per_peer_and_rounds_go_on():
             await asyncio.sleep(0.05)
         assert rejected(ma, "stream_flood") > 0 and rejected(mb, "stream_flood") > 0
         assert ra.swarm.streams.open_streams(flooder.peer_id) <= 8
-        # Suspected? No: a flood only costs the flooder its own streams; a and b still average.
+        # A peer that keeps us at its stream cap is no member to group with: a strike a second.
+        for _ in range(400):
+            if all(r.quarantine.quarantined(flooder.peer_id, time.monotonic()) for r in (ra, rb)):
+                break
+            await asyncio.sleep(0.05)
+        assert quarantined(ma, "stream_flood") == 1 and quarantined(mb, "stream_flood") == 1
+        # And a and b still average.
         results, outcomes = await until_committed([ra, rb], honest_inputs(2, 256))
         assert all(res is not None for res in results), story(outcomes)
         assert torch.equal(results[0][0], results[1][0])
