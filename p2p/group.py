@@ -368,12 +368,14 @@ class Group:
     def abort_starter(self) -> str | None:
         """Who started the aborts this peer got: the first member that gave a reason of its own,
         not one passing another's abort on (every member does, so an attempt ends at once
-        everywhere); failing that, the first whose abort came in. None if the leader called the
-        attempt off because a member refused it: that is nobody's doing that we saw."""
+        everywhere); failing that, the first whose abort came in."""
         first = next(iter(self.aborts), None)
-        if first is not None and self.aborts[first] == "member_refused" and first == self.leader:
-            return None
         return next((m for m, r in self.aborts.items() if r != "aborted_by_peer"), first)
+
+    def called_off(self) -> bool:
+        """Whether the leader called the attempt off because a member refused the group."""
+        first = next(iter(self.aborts), None)
+        return first == self.leader and self.aborts[first] == "member_refused"
 
     def fail(self, reason: str, detail: str = "") -> None:
         if self.failure is None:

@@ -45,11 +45,11 @@ def quorum(live: int, min_peers: int = 1) -> int:
 
 
 def leave_out(starters: Iterable[str], live: set[str], min_peers: int = 1, excluded: Iterable[str] = ()) -> set[str]:
-    """Which of ``starters`` (live peers that started the abort of an attempt of this round that
-    we were in) to leave out of the round's next attempts: all of them, unless the others
-    (less the ``excluded``, e.g. quarantined, whom we group with anyway) could not make a
-    quorum without them. A member that keeps aborting then costs each round one attempt, not
-    one per retry; an honest one that saw a fault we did not sits out one round."""
+    """Which of ``starters`` (live peers that a member refused to group with, having quarantined
+    them) to leave out of this round's next attempts: all of them, unless the others (less
+    the ``excluded``, e.g. quarantined, whom we do not group with anyway) could not make a
+    quorum without them. One member's word: so only for the round, and never at the cost of
+    the round itself."""
     out = set(starters) & live
     rest = live - out - set(excluded)
     return out if len(rest) >= quorum(len(live), min_peers) else set()

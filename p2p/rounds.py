@@ -105,8 +105,7 @@ class RoundProtocol:
         self._group_set = asyncio.Event()
         self._suspects: BoundedDict = BoundedDict(4096)
         # Peers that sit a round out of the groups we lead or join -> that round (``_left_out``):
-        # they started the abort of an attempt we were in, or a member refused a group we led
-        # because it had quarantined them.
+        # a member refused a group we led because it had quarantined them.
         self._sitting_out: BoundedDict = BoundedDict(4096)
         self._floods: BoundedDict = BoundedDict(4096)  # peer -> when its last flood strike was given
         # Peers that told us directly they are ready for a round (peer -> round).
@@ -262,10 +261,10 @@ class RoundProtocol:
         """After an attempt: the members whose input (or output, as owners) this peer refused,
         and whoever started the aborts it got (a strike, should it keep doing so). Returns them."""
         blamed = dict(group.blame)
-        starter = group.abort_starter()
+        # A leader that called the attempt off because a member refused it did nothing we saw.
+        starter = None if group.called_off() else group.abort_starter()
         if starter is not None:
             blamed.setdefault(starter, "aborted")
-            self._sitting_out[starter] = group.round
         for peer, reason in blamed.items():
             self.offence(peer, reason)
         return sorted(blamed)

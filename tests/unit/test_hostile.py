@@ -215,18 +215,17 @@ async def test_a_member_that_always_aborts_is_quarantined_after_three_strikes():
         current = [0]
         task = asyncio.ensure_future(_keep_averaging(rounds[3], inputs[3], lambda: current[0]))
         seen = [[] for _ in honest]
-        for round in range(4):
+        for round in range(3):
             current[0] = round
             await seen_ready(peers, aborter, round)  # so that the round's first group has it
             results, outcomes = await until_committed(honest, inputs[:3], round=round)
             assert all(torch.equal(res[0], results[0][0]) for res in results)
             assert all(aborter not in r.last.members for r in honest)
-            # Whoever saw it start an abort leaves it out of the round's next attempts.
-            assert all(sum(aborter in o.blamed for o in mine) <= 1 for mine in outcomes), story(outcomes)
             for mine, more in zip(seen, outcomes):
                 mine.extend(more)
-        # Each abort it started was a strike wherever it landed; three quarantine it, and then it
-        # is out of the first attempt too.
+        # Each abort it started was a strike wherever it landed; three quarantine it. (A peer may
+        # be in more groups with it than that, led by one that has not seen three yet, or in
+        # fewer, when the others formed a group without it while it was busy in another one.)
         for r, mine in zip(honest, seen):
             spoiled = sum(aborter in o.blamed for o in mine)
             assert r.quarantine.quarantined(aborter, time.monotonic()) == (spoiled >= 3), story(seen)

@@ -55,7 +55,7 @@ def test_a_member_refuses_a_minority_group_from_a_stale_or_lying_leader():
     assert accept_group(["a", "b", "x", "y"], {"a", "b", "me"}, 1) == (True, "")
 
 
-def test_abort_starters_sit_the_round_out_only_while_the_rest_make_a_quorum():
+def test_peers_named_by_a_refusal_sit_the_round_out_only_while_the_rest_make_a_quorum():
     live = {"a", "b", "c", "d", "e"}
     assert leave_out({"e"}, live) == {"e"}  # 4 of 5 still make a majority
     assert leave_out({"d", "e"}, live) == {"d", "e"}  # 3 of 5 too
