@@ -368,14 +368,11 @@ class Group:
     def abort_starter(self) -> str | None:
         """Who started the aborts this peer got: the first member that gave a reason of its own,
         not one passing another's abort on (every member does, so an attempt ends at once
-        everywhere); failing that, the first whose abort came in."""
+        everywhere); failing that, the first whose abort came in. A leader that called the
+        attempt off because a member refused it gives its own reason: a strike (an honest one
+        leads again without the refuser; one whose groups keep being refused is no leader)."""
         first = next(iter(self.aborts), None)
         return next((m for m, r in self.aborts.items() if r != "aborted_by_peer"), first)
-
-    def called_off(self) -> bool:
-        """Whether the leader called the attempt off because a member refused the group."""
-        first = next(iter(self.aborts), None)
-        return first == self.leader and self.aborts[first] == "member_refused"
 
     def fail(self, reason: str, detail: str = "") -> None:
         if self.failure is None:

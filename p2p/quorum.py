@@ -44,17 +44,6 @@ def quorum(live: int, min_peers: int = 1) -> int:
     return max(min_peers, live // 2 + 1)
 
 
-def leave_out(starters: Iterable[str], live: set[str], min_peers: int = 1, excluded: Iterable[str] = ()) -> set[str]:
-    """Which of ``starters`` (live peers that a member refused to group with, having quarantined
-    them) to leave out of this round's next attempts: all of them, unless the others (less
-    the ``excluded``, e.g. quarantined, whom we do not group with anyway) could not make a
-    quorum without them. One member's word: so only for the round, and never at the cost of
-    the round itself."""
-    out = set(starters) & live
-    rest = live - out - set(excluded)
-    return out if len(rest) >= quorum(len(live), min_peers) else set()
-
-
 def can_start(ready: Iterable[str], live: set[str], min_peers: int) -> tuple[bool, str]:
     """Whether a group of the ``ready`` peers may start the round, and why not. A ready peer
     is live (it said so, perhaps directly, before the table showed it)."""

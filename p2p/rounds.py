@@ -40,7 +40,7 @@ from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.quarantine import Quarantine
-from p2p.quorum import accept_group, can_start, follow, leave_out, live_peers, quorum
+from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
 from p2p.signing import CommitSigning
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
@@ -104,9 +104,6 @@ class RoundProtocol:
         self._group: Group | None = None
         self._group_set = asyncio.Event()
         self._suspects: BoundedDict = BoundedDict(4096)
-        # Peers that sit a round out of the groups we lead or join -> that round (``_left_out``):
-        # a member refused a group we led because it had quarantined them.
-        self._sitting_out: BoundedDict = BoundedDict(4096)
         self._floods: BoundedDict = BoundedDict(4096)  # peer -> when its last flood strike was given
         # Peers that told us directly they are ready for a round (peer -> round).
         self._ready_hints: BoundedDict = BoundedDict(4096)
@@ -234,11 +231,6 @@ class RoundProtocol:
         quarantined = self.quarantine.active(now)
         return {p: r for p, r in peers.items() if p not in self._suspects and p not in quarantined}
 
-    def _left_out(self, round: int, live: set[str]) -> set[str]:
-        """Who sits ``round`` out (see ``_sitting_out``), while the others still make a quorum."""
-        return leave_out((p for p, r in self._sitting_out.items() if r == round), live, self.min_peers,
-                         excluded=self.quarantine.active(time.monotonic()))
-
     def offence(self, peer: str, reason: str) -> None:
         """Record what a peer did (p2p/quarantine.py); count and log a new quarantine."""
         if peer != self.swarm.peer_id and self.quarantine.offence(peer, reason, time.monotonic()):
@@ -261,8 +253,7 @@ class RoundProtocol:
         """After an attempt: the members whose input (or output, as owners) this peer refused,
         and whoever started the aborts it got (a strike, should it keep doing so). Returns them."""
         blamed = dict(group.blame)
-        # A leader that called the attempt off because a member refused it did nothing we saw.
-        starter = None if group.called_off() else group.abort_starter()
+        starter = group.abort_starter()
         if starter is not None:
             blamed.setdefault(starter, "aborted")
         for peer, reason in blamed.items():
@@ -283,8 +274,7 @@ class RoundProtocol:
             table = await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0)
             # Suspected and quarantined peers stay in the quorum's count while they heartbeat.
             live = live_peers(table, self.swarm.peer_id)
-            out = self._left_out(round, live)
-            peers = {p: r for p, r in self._live(table).items() if p not in out}
+            peers = self._live(table)
             # The swarm moved on: a majority of the others hold a newer round (or, once we have
             # waited a whole gather without a quorum, enough of them to be one with us).
             stuck = time.monotonic() - started > self.gather_timeout
@@ -381,15 +371,6 @@ class RoundProtocol:
         for p, res in zip(others, results):
             if p in refused:
                 silent = isinstance(res, BaseException)
-                named = [] if silent else res[0].get("peers")
-                if (isinstance(named, list) and named and all(isinstance(q, str) for q in named)
-                        and set(named) <= set(members) - {p, self.swarm.peer_id}):
-                    # It quarantined those members: without them it will take part. One peer's word,
-                    # so only for this round, and only while the rest still make a quorum (_left_out).
-                    for q in named:
-                        self._sitting_out[q] = round
-                    log.info("round %d: %s refused a group with %d peer(s) it quarantined", round, p[-8:], len(named))
-                    continue
                 self._suspect(p, 3 * self.swarm.config.heartbeat_interval if silent else POLL_SECONDS * 4)
                 log.info("round %d: %s %s the group", round, p[-8:], "did not answer" if silent else "refused")
         await self._broadcast_abort(group, "member_refused")
@@ -543,15 +524,8 @@ class RoundProtocol:
             raise WireError("bad_members")
         if sender != members[0] or self.swarm.peer_id not in members:
             raise RoundFailed("not_a_member")
-        quarantined = self.quarantine.active(time.monotonic())
-        if sender in quarantined:
+        if self.quarantine.quarantined(sender, time.monotonic()):
             await reply(writer, {"ok": False, "reason": "quarantined"})
-            return
-        if named := sorted(quarantined.intersection(members)):  # we would refuse their input: say whose
-            await reply(writer, {"ok": False, "reason": "quarantined", "peers": named})
-            return
-        if sender in self._left_out(round, live_peers(self.swarm.peers, self.swarm.peer_id)):
-            await reply(writer, {"ok": False, "reason": "left_out"})
             return
         if waiting is None or waiting.round != round or waiting.group.done():
             await reply(writer, {"ok": False, "reason": "not_waiting"})

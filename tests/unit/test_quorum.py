@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from p2p.quorum import accept_group, can_start, leave_out, live_peers, quorum
+from p2p.quorum import accept_group, can_start, live_peers, quorum
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -53,18 +53,6 @@ def test_a_member_refuses_a_minority_group_from_a_stale_or_lying_leader():
     assert accept_group(["a", "b", "me"], live, 1) == (True, "")
     # Members it did not know count as live too: a leader cannot shrink the denominator.
     assert accept_group(["a", "b", "x", "y"], {"a", "b", "me"}, 1) == (True, "")
-
-
-def test_peers_named_by_a_refusal_sit_the_round_out_only_while_the_rest_make_a_quorum():
-    live = {"a", "b", "c", "d", "e"}
-    assert leave_out({"e"}, live) == {"e"}  # 4 of 5 still make a majority
-    assert leave_out({"d", "e"}, live) == {"d", "e"}  # 3 of 5 too
-    assert leave_out({"c", "d", "e"}, live) == set()  # 2 of 5 could never commit: nobody is left out
-    assert leave_out({"e", "gone"}, live) == {"e"}  # only live peers count
-    assert leave_out({"b"}, {"a", "b"}) == set()  # two peers: leaving one out would stall the round
-    assert leave_out({"e"}, live, min_peers=5) == set()  # nor below an explicit --min-peers
-    # Three live, one of them quarantined: leaving a second out would leave one, no majority.
-    assert leave_out({"b"}, {"a", "b", "c"}, excluded={"c"}) == set()
 
 
 def test_a_ready_hint_counts_as_live_before_the_table_shows_it():
