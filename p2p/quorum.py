@@ -44,6 +44,15 @@ def quorum(live: int, min_peers: int = 1) -> int:
     return max(min_peers, live // 2 + 1)
 
 
+def shunned(refusers: Iterable[str], live: set[str], min_peers: int = 1) -> bool:
+    """Whether a leader is past leading a round that commits: the live peers that told us they
+    refuse its groups (``refusers``; each speaks only for itself, over an authenticated
+    stream) leave fewer than a quorum that might not. Joining its groups then only spoils
+    attempts, so we refuse them too — on the word of enough peers to block it, never of one."""
+    refusing = set(refusers) & live
+    return bool(refusing) and len(live - refusing) < quorum(len(live), min_peers)
+
+
 def can_start(ready: Iterable[str], live: set[str], min_peers: int) -> tuple[bool, str]:
     """Whether a group of the ``ready`` peers may start the round, and why not. A ready peer
     is live (it said so, perhaps directly, before the table showed it)."""

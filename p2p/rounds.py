@@ -40,7 +40,7 @@ from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.quarantine import Quarantine
-from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
+from p2p.quorum import accept_group, can_start, follow, live_peers, quorum, shunned
 from p2p.signing import CommitSigning
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
@@ -99,7 +99,8 @@ class RoundProtocol:
         self.use_feedback = cfg.error_feedback and self.codec.name != "fp32"
         self.feedback: ErrorFeedback | None = None
         self.request_timeout = cfg.request_timeout
-        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready", "audit", "sign", "evidence")}
+        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready", "audit", "sign", "evidence",
+                                                                 "refuse")}
         self._waiting: _Waiting | None = None
         self._group: Group | None = None
         self._group_set = asyncio.Event()
@@ -109,7 +110,10 @@ class RoundProtocol:
         self._ready_hints: BoundedDict = BoundedDict(4096)
         # Wakes a gather before its next poll: a hint came in, or a group was installed.
         self._wake = asyncio.Event()
-        self._hint_tasks: set[asyncio.Task] = set()
+        self._background_tasks: set[asyncio.Task] = set()
+        # Leaders that peers told us they refuse (they quarantined it): leader -> {peer: until}.
+        self._refusals: BoundedDict = BoundedDict(4096)
+        self._refused_rounds: BoundedDict = BoundedDict(4096)  # leader -> the last round we told about
         self.last = RoundOutcome("none")
         self._buffers: dict[str, torch.Tensor] = {}
         self._flood_task: asyncio.Task | None = None
@@ -125,7 +129,7 @@ class RoundProtocol:
         p2p = self.swarm.p2p
         # A begin lists every member; every other request is a handful of fields.
         await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin, max_header=None))
-        for name in ("part", "vote", "ready", "audit", "sign", "evidence"):
+        for name in ("part", "vote", "ready", "audit", "sign", "evidence", "refuse"):
             await p2p.add_binary_stream_handler(self._names[name], self._guard(getattr(self, f"_on_{name}")))
         if self.hostile.flood:
             self._flood_task = asyncio.ensure_future(self._flood())
@@ -337,19 +341,49 @@ class RoundProtocol:
             return expected
         return hinted_to
 
-    def _hint(self, peer: str, round: int) -> None:
-        """Tell ``peer`` (the expected leader) that we are ready for ``round``; best effort, in the background."""
+    def _refusers(self, leader: str) -> list[str]:
+        """The peers that told us, lately, that they refuse ``leader``'s groups."""
+        now = time.monotonic()
+        told = self._refusals.get(leader) or {}
+        return [p for p, until in told.items() if until > now]
 
-        async def send():
+    def _tell_refused(self, leader: str, round: int, members: list[str]) -> None:
+        """We refuse ``leader``'s groups (quarantined): tell the other members of the one it sent,
+        once per round, so that they stop joining them once enough of us do (``shunned``)."""
+        if self._refused_rounds.get(leader) == round:
+            return
+        self._refused_rounds[leader] = round
+        for peer in members:
+            if peer not in (leader, self.swarm.peer_id):
+                self._background(self._call(peer, "refuse", {"r": round, "leader": leader}))
+
+    async def _on_refuse(self, sender: str, header: dict, reader, writer) -> None:
+        leader = hfield(header, "leader", str)
+        if len(leader) > 128 or leader == sender:
+            raise WireError("bad_field", "leader")
+        told = self._refusals.get(leader)
+        if told is None:
+            told = self._refusals[leader] = BoundedDict(1024)
+        told[sender] = time.monotonic() + self.quarantine.seconds  # it quarantined the leader that long
+        await reply(writer, {"ok": True})
+
+    def _background(self, call) -> None:
+        """Run a best-effort request in the background (kept until done, errors logged at debug)."""
+        async def run():
             try:
-                state = self._waiting.state if self._waiting is not None else ""
-                await self._call(peer, "ready", {"r": round, "h": state})
-            except Exception as e:  # the DHT poll still gets the news to the leader
-                log.debug("ready hint to %s failed: %r", peer[-8:], e)
+                await call
+            except Exception as e:
+                log.debug("background request failed: %r", e)
 
-        task = asyncio.ensure_future(send())
-        self._hint_tasks.add(task)
-        task.add_done_callback(self._hint_tasks.discard)
+        task = asyncio.ensure_future(run())
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
+
+    def _hint(self, peer: str, round: int) -> None:
+        """Tell ``peer`` (the expected leader) that we are ready for ``round``; best effort, in the
+        background (the DHT poll still gets the news to the leader)."""
+        state = self._waiting.state if self._waiting is not None else ""
+        self._background(self._call(peer, "ready", {"r": round, "h": state}))
 
     async def _lead(self, round: int, members: list[str]) -> Group | None:
         """Propose the group to every member; all must accept or the attempt is cancelled."""
@@ -526,6 +560,10 @@ class RoundProtocol:
             raise RoundFailed("not_a_member")
         if self.quarantine.quarantined(sender, time.monotonic()):
             await reply(writer, {"ok": False, "reason": "quarantined"})
+            self._tell_refused(sender, round, members)
+            return
+        if shunned(self._refusers(sender), live_peers(self.swarm.peers, self.swarm.peer_id), self.min_peers):
+            await reply(writer, {"ok": False, "reason": "shunned"})
             return
         if waiting is None or waiting.round != round or waiting.group.done():
             await reply(writer, {"ok": False, "reason": "not_waiting"})

@@ -236,6 +236,41 @@ async def test_a_member_that_always_aborts_is_quarantined_after_three_strikes():
         await stop_peers(peers)
 
 
+async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_word():
+    # x (the smallest id: it leads whenever it is ready) lied to a and b, not to c. a and b
+    # refuse its groups and tell c; with 2 of 4 refusing it, x can never lead a quorum, so c
+    # stops joining its groups instead of spoiling attempt after attempt.
+    peers = sorted(await start_peers(4, min_peers=3, **STEADY), key=lambda p: p[0].peer_id)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        (xs, x, _), (_, a, _), (_, b, _), (cs, c, _) = peers
+        for r in (a, b):
+            r.quarantine.offence(xs.peer_id, "bad_weight", time.monotonic())
+        inputs = honest_inputs(4, 256)
+        current = [0]
+        task = asyncio.ensure_future(_keep_averaging(x, inputs[0], lambda: current[0]))
+        await seen_ready(peers, xs.peer_id)
+        results, outcomes = await until_committed([a, b, c], inputs[1:])
+        assert all(res is not None for res in results) and all(xs.peer_id not in r.last.members for r in (a, b, c))
+        # c heard it from both; one is not enough to refuse on (a quorum of 3 of 4 is left).
+        assert sorted(c._refusers(xs.peer_id)) == sorted([a.swarm.peer_id, b.swarm.peer_id]), story(outcomes)
+        from p2p.quorum import live_peers, shunned
+        live = live_peers(cs.peers, cs.peer_id)
+        assert shunned(c._refusers(xs.peer_id), live) and not shunned(c._refusers(xs.peer_id)[:1], live)
+        assert not c.quarantine.quarantined(xs.peer_id, time.monotonic())  # refused, not judged
+        # The next round: c refuses x's groups from the start, so every honest peer commits at once
+        # (x, quarantined by two and shunned by the third, leads nothing).
+        current[0] = 1
+        await seen_ready(peers, xs.peer_id, 1)
+        results, outcomes = await until_committed([a, b, c], inputs[1:], round=1)
+        assert all(len(mine) == 1 and mine[0].status == "committed" for mine in outcomes), story(outcomes)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)
+
+
 async def test_a_leader_that_never_sends_begin_is_left_out_and_the_others_commit():
     peers = sorted(await start_peers(3, gather_timeout=2.0, request_timeout=2.0, **STEADY), key=lambda p: p[0].peer_id)
     try:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from p2p.quorum import accept_group, can_start, live_peers, quorum
+from p2p.quorum import accept_group, can_start, live_peers, quorum, shunned
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -53,6 +53,14 @@ def test_a_member_refuses_a_minority_group_from_a_stale_or_lying_leader():
     assert accept_group(["a", "b", "me"], live, 1) == (True, "")
     # Members it did not know count as live too: a leader cannot shrink the denominator.
     assert accept_group(["a", "b", "x", "y"], {"a", "b", "me"}, 1) == (True, "")
+
+
+def test_a_leader_is_shunned_only_once_its_refusers_block_every_quorum():
+    live = {"x", "a", "b", "c"}  # a quorum is 3
+    assert not shunned([], live) and not shunned(["a"], live)  # x, b, c could still commit
+    assert shunned(["a", "b"], live)  # x and c are 2: it can never lead a round that commits
+    assert not shunned(["a", "b", "gone"], {"x", "a", "b", "c", "d", "e", "f"})  # 5 of 7 remain
+    assert not shunned([], {"x", "me"}, min_peers=3)  # nobody refuses it: a short table is no verdict
 
 
 def test_a_ready_hint_counts_as_live_before_the_table_shows_it():
