@@ -242,7 +242,6 @@ async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_w
     # stops joining its groups instead of spoiling attempt after attempt.
     peers = sorted(await start_peers(4, min_peers=3, **STEADY), key=lambda p: p[0].peer_id)
     try:
-        rounds = [r for _, r, _ in peers]
         await settle(peers)
         (xs, x, _), (_, a, _), (_, b, _), (cs, c, _) = peers
         for r in (a, b):
