@@ -230,7 +230,8 @@ class TrainingLoop:
         try:
             await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stop.cancel()
+            stop.cancel()  # and let it end now: a node stopping later must not leave it pending
+            await asyncio.gather(stop, return_exceptions=True)
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
