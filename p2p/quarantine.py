@@ -5,8 +5,8 @@ non-finite piece, an impossible or capped weight, an owner's slice that an
 audit recomputed differently, a misreported input) — quarantines the peer at
 once. A *fault* — it aborted a round, refused a group, led a round it never
 started while we saw a quorum ready, announced a state without certificates,
-or had more streams open to us than it may — could be bad luck, so it is a strike, and ``strikes`` of them
-within the quarantine period quarantine it. A quarantined peer is kept out of every
+or had more streams open to us than it may — could be bad luck, so it is a
+strike, and ``strikes`` of them within the quarantine period quarantine it. A quarantined peer is kept out of every
 group this node leads and its ``begin`` is refused; it still counts as live in
 the quorum (``quorum.py``) while it heartbeats, so quarantine can never let a
 minority commit. Every node decides alone, from what it saw itself.
@@ -61,3 +61,33 @@ class Quarantine:
     def active(self, now: float) -> set[str]:
         """Peers quarantined at ``now``."""
         return {p for p in list(self._until) if self.quarantined(p, now)}
+
+
+class Refusals:
+    """What peers told us of leaders they refuse (having quarantined them), each claim for the
+    quarantine period it stands for, bounded in leaders and in claims per leader; and which
+    leaders we already told the others about this round. ``quorum.shunned`` decides with it."""
+
+    def __init__(self, seconds: float, max_leaders: int = 4096, max_claims: int = 1024) -> None:
+        self.seconds = seconds
+        self._claims = BoundedDict(max_leaders)  # leader -> BoundedDict(peer -> until)
+        self._told = BoundedDict(max_leaders)  # leader -> the last round we told about it
+        self._max_claims = max_claims
+
+    def told_us(self, peer: str, leader: str, now: float) -> None:
+        """``peer`` says it refuses ``leader``'s groups."""
+        claims = self._claims.get(leader)
+        if claims is None:
+            claims = self._claims[leader] = BoundedDict(self._max_claims)
+        claims[peer] = now + self.seconds
+
+    def refusers(self, leader: str, now: float) -> list[str]:
+        """The peers whose claim against ``leader`` still stands."""
+        return [p for p, until in (self._claims.get(leader) or {}).items() if until > now]
+
+    def first_this_round(self, leader: str, round: int) -> bool:
+        """True the first time it is asked for (``leader``, ``round``): tell the others once."""
+        if self._told.get(leader) == round:
+            return False
+        self._told[leader] = round
+        return True

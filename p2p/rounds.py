@@ -39,7 +39,7 @@ from p2p.deadline import DeadlinePolicy
 from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
-from p2p.quarantine import Quarantine
+from p2p.quarantine import Quarantine, Refusals
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum, shunned
 from p2p.signing import CommitSigning
 from p2p.swarm import Swarm, peer_id_from
@@ -111,9 +111,8 @@ class RoundProtocol:
         # Wakes a gather before its next poll: a hint came in, or a group was installed.
         self._wake = asyncio.Event()
         self._background_tasks: set[asyncio.Task] = set()
-        # Leaders that peers told us they refuse (they quarantined it): leader -> {peer: until}.
-        self._refusals: BoundedDict = BoundedDict(4096)
-        self._refused_rounds: BoundedDict = BoundedDict(4096)  # leader -> the last round we told about
+        # Leaders that peers told us they refuse (they quarantined it); see ``quorum.shunned``.
+        self.refusals = Refusals(cfg.quarantine_seconds)
         self.last = RoundOutcome("none")
         self._buffers: dict[str, torch.Tensor] = {}
         self._flood_task: asyncio.Task | None = None
@@ -341,30 +340,19 @@ class RoundProtocol:
             return expected
         return hinted_to
 
-    def _refusers(self, leader: str) -> list[str]:
-        """The peers that told us, lately, that they refuse ``leader``'s groups."""
-        now = time.monotonic()
-        told = self._refusals.get(leader) or {}
-        return [p for p, until in told.items() if until > now]
-
     def _tell_refused(self, leader: str, round: int, members: list[str]) -> None:
         """We refuse ``leader``'s groups (quarantined): tell the other members of the one it sent,
         once per round, so that they stop joining them once enough of us do (``shunned``)."""
-        if self._refused_rounds.get(leader) == round:
-            return
-        self._refused_rounds[leader] = round
-        for peer in members:
-            if peer not in (leader, self.swarm.peer_id):
-                self._background(self._call(peer, "refuse", {"r": round, "leader": leader}))
+        if self.refusals.first_this_round(leader, round):
+            for peer in members:
+                if peer not in (leader, self.swarm.peer_id):
+                    self._background(self._call(peer, "refuse", {"leader": leader}))
 
     async def _on_refuse(self, sender: str, header: dict, reader, writer) -> None:
         leader = hfield(header, "leader", str)
         if len(leader) > 128 or leader == sender:
             raise WireError("bad_field", "leader")
-        told = self._refusals.get(leader)
-        if told is None:
-            told = self._refusals[leader] = BoundedDict(1024)
-        told[sender] = time.monotonic() + self.quarantine.seconds  # it quarantined the leader that long
+        self.refusals.told_us(sender, leader, time.monotonic())
         await reply(writer, {"ok": True})
 
     def _background(self, call) -> None:
@@ -562,7 +550,8 @@ class RoundProtocol:
             await reply(writer, {"ok": False, "reason": "quarantined"})
             self._tell_refused(sender, round, members)
             return
-        if shunned(self._refusers(sender), live_peers(self.swarm.peers, self.swarm.peer_id), self.min_peers):
+        if shunned(self.refusals.refusers(sender, time.monotonic()), live_peers(self.swarm.peers, self.swarm.peer_id),
+                   self.min_peers):
             await reply(writer, {"ok": False, "reason": "shunned"})
             return
         if waiting is None or waiting.round != round or waiting.group.done():

@@ -14,6 +14,7 @@ import torch
 
 from p2p.compression import part_bounds
 from p2p.hostile import Behaviour
+from p2p.wire import write_frame
 from tests.unit.test_rounds import rejected, start_peers, stop_peers
 
 pytestmark = pytest.mark.timeout(120)
@@ -253,10 +254,11 @@ async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_w
         results, outcomes = await until_committed([a, b, c], inputs[1:])
         assert all(res is not None for res in results) and all(xs.peer_id not in r.last.members for r in (a, b, c))
         # c heard it from both; one is not enough to refuse on (a quorum of 3 of 4 is left).
-        assert sorted(c._refusers(xs.peer_id)) == sorted([a.swarm.peer_id, b.swarm.peer_id]), story(outcomes)
+        refusers = c.refusals.refusers(xs.peer_id, time.monotonic())
+        assert sorted(refusers) == sorted([a.swarm.peer_id, b.swarm.peer_id]), story(outcomes)
         from p2p.quorum import live_peers, shunned
         live = live_peers(cs.peers, cs.peer_id)
-        assert shunned(c._refusers(xs.peer_id), live) and not shunned(c._refusers(xs.peer_id)[:1], live)
+        assert shunned(refusers, live) and not shunned(refusers[:1], live)
         assert not c.quarantine.quarantined(xs.peer_id, time.monotonic())  # refused, not judged
         # The next round: c refuses x's groups from the start, so every honest peer commits at once
         # (x, quarantined by two and shunned by the third, leads nothing).
@@ -266,6 +268,27 @@ async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_w
         assert all(len(mine) == 1 and mine[0].status == "committed" for mine in outcomes), story(outcomes)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)
+
+
+@pytest.mark.parametrize("header", [{"leader": "self"}, {"leader": 7}, {"leader": "x" * 129}, {}],
+                         ids=["itself", "not-a-string", "oversized", "missing"])
+async def test_a_malformed_refusal_is_rejected_and_recorded_nowhere(header):
+    peers = await start_peers(2)
+    try:
+        (a, ra, ma), (b, rb, _) = peers
+        if header.get("leader") == "self":
+            header = {"leader": b.peer_id}  # a peer cannot refuse itself into a shun
+        _, reader, writer = await rb._open(a.peer_id, "refuse")
+        await write_frame(writer, header)
+        for _ in range(100):
+            if rejected(ma, "bad_field"):
+                break
+            await asyncio.sleep(0.05)
+        assert rejected(ma, "bad_field") == 1
+        assert ra.refusals.refusers(str(header.get("leader")), time.monotonic()) == []
+        writer.close()
     finally:
         await stop_peers(peers)
 

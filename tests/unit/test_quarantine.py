@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2p.hostile import Behaviour, parse
-from p2p.quarantine import Quarantine
+from p2p.quarantine import Quarantine, Refusals
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -40,3 +40,16 @@ def test_hostile_behaviours_parse_and_bad_ones_name_the_variable():
     for bad in ("scale", "abort=1", "king", "fill=x"):
         with pytest.raises(ValueError, match="GONKA_TEST_HOSTILE"):
             parse(bad)
+
+
+def test_refusals_stand_for_the_quarantine_period_and_are_told_once_a_round():
+    r = Refusals(seconds=100, max_claims=2)
+    r.told_us("a", "x", now=0.0)
+    r.told_us("b", "x", now=50.0)
+    assert sorted(r.refusers("x", 60.0)) == ["a", "b"] and r.refusers("y", 60.0) == []
+    assert r.refusers("x", 120.0) == ["b"]  # a's claim is over
+    r.told_us("c", "x", now=130.0)  # bounded: the oldest claim gives way
+    assert sorted(r.refusers("x", 130.0)) == ["b", "c"]
+    r.told_us("d", "x", now=131.0)
+    assert sorted(r.refusers("x", 131.0)) == ["c", "d"]
+    assert r.first_this_round("x", 3) and not r.first_this_round("x", 3) and r.first_this_round("x", 4)
