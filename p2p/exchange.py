@@ -56,7 +56,7 @@ class PartExchange:
             self.metrics.sent_bytes.inc(await write_frame(writer, header))
             sending = asyncio.ensure_future(self._send_pieces(group, j, lane, writer))
             receiving = asyncio.ensure_future(self._receive_average(group, j, lane, reader, deadline))
-            await all_or_fail([sending, receiving], group)
+            await all_or_fail([sending, receiving], group, by=group.members[j])
         finally:
             await close_writer(writer)
 
@@ -166,7 +166,7 @@ class PartExchange:
         except (WireError, RoundFailed) as e:
             if e.reason not in ("timeout", "truncated"):  # not for a member that is merely slow or gone
                 group.blame.setdefault(group.members[index], e.reason)
-            group.fail(e.reason, str(e))
+            group.fail(e.reason, str(e), by=group.members[index])
             raise
 
 
@@ -186,8 +186,9 @@ MALFORMED = frozenset({"oversized_header", "oversized_payload", "bad_header"})
 
 
 
-async def all_or_fail(tasks: list[asyncio.Future], group: Group) -> None:
-    """Await all tasks; on the first failure cancel the rest, fail the group, raise RoundFailed."""
+async def all_or_fail(tasks: list[asyncio.Future], group: Group, by: str | None = None) -> None:
+    """Await all tasks; on the first failure cancel the rest, fail the group (``by``: the member
+    whose streams the tasks are), raise RoundFailed."""
     try:
         for fut in asyncio.as_completed(tasks):
             await fut
@@ -204,5 +205,5 @@ async def all_or_fail(tasks: list[asyncio.Future], group: Group) -> None:
         else:
             log.exception("unexpected error in a round")
             reason = "error"
-        group.fail(reason, str(e))
+        group.fail(reason, str(e), by=by)
         raise RoundFailed(reason, str(e)[:200]) from None

@@ -141,6 +141,7 @@ class Group:
     hostile: Behaviour = HONEST  # test-only lies of this member (p2p/hostile.py)
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
+    failed_by: str | None = None  # the member whose stream to us the failure came on, if one did
     deadline: float = 0.0  # loop time by which the exchange must be over (set when it starts)
     # Members whose input (or, as owners, whose output) this peer refused: member -> reason.
     blame: dict[str, str] = field(default_factory=dict)
@@ -360,8 +361,9 @@ class Group:
 
     def aborted_by(self, member: str, reason: str) -> None:
         """An abort from ``member``; it ends the attempt. Kept (to find who started it) unless
-        this peer had failed for a reason of its own, which the others' aborts only answer."""
-        if self.failure is None or self.failure.reason == "aborted_by_peer":
+        this peer had failed for a reason of its own, which the others' aborts only answer —
+        unless that failure came from ``member`` itself (it dropped our stream, then said why)."""
+        if self.failure is None or self.failure.reason == "aborted_by_peer" or self.failed_by == member:
             self.aborts.setdefault(member, reason)
         self.fail("aborted_by_peer", reason)
 
@@ -374,9 +376,10 @@ class Group:
         first = next(iter(self.aborts), None)
         return next((m for m, r in self.aborts.items() if r != "aborted_by_peer"), first)
 
-    def fail(self, reason: str, detail: str = "") -> None:
+    def fail(self, reason: str, detail: str = "", by: str | None = None) -> None:
         if self.failure is None:
             self.failure = RoundFailed(reason, detail)
+            self.failed_by = by
             self._changed.set()
 
     async def _wait(self, predicate, deadline: float) -> None:

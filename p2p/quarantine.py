@@ -71,8 +71,9 @@ class Refusals:
     def __init__(self, seconds: float, max_leaders: int = 4096, max_claims: int = 1024) -> None:
         self.seconds = seconds
         self._claims = BoundedDict(max_leaders)  # leader -> BoundedDict(peer -> until)
-        self._told = BoundedDict(max_leaders)  # leader -> the last round we told about it
+        self._told = BoundedDict(max_leaders)  # leader -> (round, the peers told about it in that round)
         self._max_claims = max_claims
+        self._max_leaders = max_leaders  # also the most peers told of one leader in one round
 
     def told_us(self, peer: str, leader: str, now: float) -> None:
         """``peer`` says it refuses ``leader``'s groups."""
@@ -81,13 +82,20 @@ class Refusals:
             claims = self._claims[leader] = BoundedDict(self._max_claims)
         claims[peer] = now + self.seconds
 
+    def leaders(self) -> list[str]:
+        """The leaders some peer told us it refuses."""
+        return list(self._claims)
+
     def refusers(self, leader: str, now: float) -> list[str]:
         """The peers whose claim against ``leader`` still stands."""
         return [p for p, until in (self._claims.get(leader) or {}).items() if until > now]
 
-    def first_this_round(self, leader: str, round: int) -> bool:
-        """True the first time it is asked for (``leader``, ``round``): tell the others once."""
-        if self._told.get(leader) == round:
-            return False
-        self._told[leader] = round
-        return True
+    def to_tell(self, leader: str, round: int, peers) -> list[str]:
+        """Which of ``peers`` we have not yet told in ``round`` that we refuse ``leader``: each
+        hears it once a round, whichever of the leader's groups it was in."""
+        told = self._told.get(leader)
+        if told is None or told[0] != round:
+            told = self._told[leader] = (round, set())
+        fresh = [p for p in peers if p != leader and p not in told[1]][:self._max_leaders - len(told[1])]
+        told[1].update(fresh)
+        return fresh

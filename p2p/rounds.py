@@ -102,8 +102,10 @@ class RoundProtocol:
         self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready", "audit", "sign", "evidence",
                                                                  "refuse")}
         self._waiting: _Waiting | None = None
+        self._waiting_set = asyncio.Event()  # set whenever a new wait for a group starts
         self._group: Group | None = None
         self._group_set = asyncio.Event()
+        self._ended: BoundedDict = BoundedDict(64)  # ids of our recent groups, over now
         self._suspects: BoundedDict = BoundedDict(4096)
         self._floods: BoundedDict = BoundedDict(4096)  # peer -> when its last flood strike was given
         # Peers that told us directly they are ready for a round (peer -> round).
@@ -182,6 +184,7 @@ class RoundProtocol:
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state)
+        self._waiting_set.set()
         self.swarm.announce(state="ready", round=round)
         try:
             group = await self._gather(round, started)
@@ -209,7 +212,7 @@ class RoundProtocol:
                 raise
             return None
         finally:
-            self._group = None
+            self._leave(group)
         blamed = self._judge(group)
         seconds = time.monotonic() - gathered
         if feedback is not None:  # only a committed round consumes the residual; the old one's buffer is next
@@ -228,15 +231,25 @@ class RoundProtocol:
         self._suspects[peer_id] = time.monotonic() + seconds
 
     def _live(self, peers) -> dict:
-        """The peers this node would group with: neither suspected nor quarantined."""
+        """The peers this node would group with: neither suspected, quarantined, nor shunned
+        (enough peers refuse its groups that it cannot lead one that commits: waiting for it
+        to lead would only stall the round)."""
         now = time.monotonic()
         self._suspects.retain(lambda p, t: t > now)
-        quarantined = self.quarantine.active(now)
-        return {p: r for p, r in peers.items() if p not in self._suspects and p not in quarantined}
+        out = self.quarantine.active(now) | self._shunned(peers, now)
+        return {p: r for p, r in peers.items() if p not in self._suspects and p not in out}
+
+    def _shunned(self, peers, now: float) -> set[str]:
+        live = live_peers(peers, self.swarm.peer_id)
+        return {leader for leader in self.refusals.leaders() if leader in live
+                and shunned(self.refusals.refusers(leader, now), live, self.min_peers)}
 
     def offence(self, peer: str, reason: str) -> None:
         """Record what a peer did (p2p/quarantine.py); count and log a new quarantine."""
         if peer != self.swarm.peer_id and self.quarantine.offence(peer, reason, time.monotonic()):
+            # Every live peer hears at once that we refuse its groups now, not only the members of
+            # the next group it leads: they accept that begin before our word reaches them.
+            self._tell_refused(peer, self.swarm.round, live_peers(self.swarm.peers, self.swarm.peer_id))
             self.metrics.quarantined.labels(reason=reason).inc()
             self.metrics.quarantined_peers.set(len(self.quarantine.active(time.monotonic())))
             log.warning("quarantined peer %s for %.0fs: %s", peer[-8:], self.quarantine.seconds, reason)
@@ -340,13 +353,11 @@ class RoundProtocol:
             return expected
         return hinted_to
 
-    def _tell_refused(self, leader: str, round: int, members: list[str]) -> None:
-        """We refuse ``leader``'s groups (quarantined): tell the other members of the one it sent,
-        once per round, so that they stop joining them once enough of us do (``shunned``)."""
-        if self.refusals.first_this_round(leader, round):
-            for peer in members:
-                if peer not in (leader, self.swarm.peer_id):
-                    self._background(self._call(peer, "refuse", {"leader": leader}))
+    def _tell_refused(self, leader: str, round: int, peers) -> None:
+        """We refuse ``leader``'s groups (quarantined): tell ``peers`` (each once a round), so that
+        they stop joining them once enough of us do (``shunned``)."""
+        for peer in self.refusals.to_tell(leader, round, [p for p in peers if p != self.swarm.peer_id]):
+            self._background(self._call(peer, "refuse", {"leader": leader}))
 
     async def _on_refuse(self, sender: str, header: dict, reader, writer) -> None:
         leader = hfield(header, "leader", str)
@@ -394,12 +405,14 @@ class RoundProtocol:
             if p in refused:
                 silent = isinstance(res, BaseException)
                 self._suspect(p, 3 * self.swarm.config.heartbeat_interval if silent else POLL_SECONDS * 4)
-                log.info("round %d: %s %s the group", round, p[-8:], "did not answer" if silent else "refused")
+                log.info("round %d: %s %s the group", round + 1, p[-8:],
+                         "did not answer" if silent else f"refused ({str(res[0].get('reason'))[:40]})")
         await self._broadcast_abort(group, "member_refused")
-        self._group = None
+        self._leave(group)
         self.metrics.rounds_aborted.labels(reason="member_refused").inc()
         self._waiting = _Waiting(round, waiting.flat, waiting.weight, asyncio.get_running_loop().create_future(),
                                  waiting.state)
+        self._waiting_set.set()
         return None
 
     def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting) -> Group:
@@ -408,6 +421,12 @@ class RoundProtocol:
         residual = self._buffer("residual", numel) if self.use_feedback else None
         return Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec,
                      residual, sent, aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)
+
+    def _leave(self, group: Group) -> None:
+        """The attempt is over: requests naming it are answered at once from now on."""
+        self._ended[group.id] = True
+        if self._group is group:
+            self._group = None
 
     def _install(self, group: Group) -> None:
         self._group = group
@@ -522,7 +541,7 @@ class RoundProtocol:
         deadline = time.monotonic() + self.request_timeout
         while self._group is None or self._group.id != gid:
             # A member may hear from another member before the leader's begin reaches it.
-            if time.monotonic() > deadline:
+            if gid in self._ended or time.monotonic() > deadline:
                 raise RoundFailed("unknown_group")
             self._group_set.clear()
             try:
@@ -541,7 +560,6 @@ class RoundProtocol:
         members = hfield(header, "members", list)
         gid = hfield(header, "g", bytes)
         numel = hfield(header, "numel", int)
-        waiting = self._waiting
         if not all(isinstance(m, str) for m in members) or members != sorted(set(members)):
             raise WireError("bad_members")
         if sender != members[0] or self.swarm.peer_id not in members:
@@ -550,11 +568,11 @@ class RoundProtocol:
             await reply(writer, {"ok": False, "reason": "quarantined"})
             self._tell_refused(sender, round, members)
             return
-        if shunned(self.refusals.refusers(sender, time.monotonic()), live_peers(self.swarm.peers, self.swarm.peer_id),
-                   self.min_peers):
+        if sender in self._shunned(self.swarm.peers, time.monotonic()):
             await reply(writer, {"ok": False, "reason": "shunned"})
             return
-        if waiting is None or waiting.round != round or waiting.group.done():
+        waiting = await self._waiting_for(round)
+        if waiting is None:
             await reply(writer, {"ok": False, "reason": "not_waiting"})
             return
         if numel != waiting.flat.numel():
@@ -575,6 +593,24 @@ class RoundProtocol:
         waiting.group.set_result(group)
         await reply(writer, {"ok": True})
 
+    async def _waiting_for(self, round: int) -> _Waiting | None:
+        """Our wait for a group of ``round``, if we are in one or about to be: a member whose last
+        attempt just ended is on its way back (a moment), and a leader that was told at once
+        would otherwise call its group off for that moment."""
+        deadline = time.monotonic() + min(1.0, self.request_timeout / 4)
+        while True:
+            waiting = self._waiting
+            if waiting is not None and waiting.round == round and not waiting.group.done():
+                return waiting
+            if waiting is not None and (waiting.round != round or waiting.group.done()):
+                return None  # at another round, or in another group already
+            self._waiting_set.clear()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._waiting_set.wait()
+            except TimeoutError:
+                return None
+
     async def _on_part(self, sender: str, header: dict, reader, writer) -> None:
         group, index = await self._group_for(sender, header)
         await self.exchange.serve(group, index, header, reader, writer)
@@ -590,6 +626,9 @@ class RoundProtocol:
         await reply(writer, {"ok": True})
 
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
+        if "abort" in header and hfield(header, "g", bytes) in self._ended:  # it ended here too: nothing to undo
+            await reply(writer, {"ok": True})
+            return
         group, index = await self._group_for(sender, header)
         if "abort" in header:
             group.aborted_by(sender, str(header["abort"])[:40])

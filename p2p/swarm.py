@@ -308,6 +308,11 @@ class Swarm:
 
     # ---- what this peer announces -------------------------------------------------
 
+    @property
+    def round(self) -> int:
+        """The round this peer last announced."""
+        return int(self._me["round"])
+
     def announce(self, **fields: Any) -> None:
         """Update this peer's heartbeat (state, round, hash, step, loss) and publish it soon."""
         self._me.update(fields)

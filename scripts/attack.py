@@ -191,6 +191,7 @@ class Scenario:
 
     def run(self) -> dict:
         t0 = time.time()
+        shutil.rmtree(self.dir, ignore_errors=True)  # a fresh swarm: no checkpoint or log of an earlier run
         first = self.honest[0].start(self.dir / self.honest[0].name, self.node_args, None)
         addr = first.address(timeout=180)
         if addr is None:

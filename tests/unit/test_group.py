@@ -119,3 +119,22 @@ def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
         other.place_piece(j, k, codec.encode(changed[start:end]))
     assert other.digest() != digest([piece_digest(codec.encode(flat[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
     assert other.digest() == digest([piece_digest(codec.encode(changed[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
+
+
+def test_an_abort_is_pinned_on_its_starter_also_when_its_dropped_stream_failed_us_first():
+    def group():
+        return Group(os.urandom(16), 0, ["a", "b", "c"], "a", torch.zeros(10), 1.0, get_codec("fp32"))
+
+    g = group()  # b's abort came first; c only passed it on
+    g.aborted_by("c", "aborted_by_peer")
+    g.aborted_by("b", "hostile")
+    assert g.abort_starter() == "b"
+    g = group()  # our own timeout came first: the others' aborts only answer it
+    g.fail("timeout")
+    g.aborted_by("b", "hostile")
+    assert g.abort_starter() is None
+    g = group()  # b dropped its stream to us, then said it aborted: b started it
+    g.fail("truncated", "stream closed after 0 bytes", by="b")
+    g.aborted_by("c", "aborted_by_peer")
+    g.aborted_by("b", "hostile")
+    assert g.abort_starter() == "b" and g.failure.reason == "truncated"

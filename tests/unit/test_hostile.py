@@ -272,6 +272,48 @@ async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_w
         await stop_peers(peers)
 
 
+async def test_a_peer_that_quarantines_tells_every_live_peer_and_a_shunned_one_is_not_waited_for():
+    # a and b quarantine x (a lie each saw); they tell every live peer at once, not only the
+    # members of x's next group (those would accept its begin before hearing it). c, told by
+    # both, neither joins x's groups nor waits for x to lead, although it judged nothing itself.
+    peers = sorted(await start_peers(4, min_peers=3, **STEADY), key=lambda p: p[0].peer_id)
+    try:
+        await settle(peers)
+        (xs, _, _), (_, a, _), (_, b, _), (cs, c, _) = peers
+        assert xs.peer_id in c._live(cs.peers)
+        a.offence(xs.peer_id, "bad_weight")
+        b.offence(xs.peer_id, "bad_weight")
+        for _ in range(200):
+            if len(c.refusals.refusers(xs.peer_id, time.monotonic())) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(c.refusals.refusers(xs.peer_id, time.monotonic())) == sorted([a.swarm.peer_id, b.swarm.peer_id])
+        assert xs.peer_id not in c._live(cs.peers) and not c.quarantine.quarantined(xs.peer_id, time.monotonic())
+        a.offence(xs.peer_id, "bad_weight")  # already quarantined: nobody is told twice
+        assert len(a._background_tasks) <= 2
+    finally:
+        await stop_peers(peers)
+
+
+async def test_an_abort_of_an_attempt_that_ended_is_answered_at_once():
+    # Every member passes an abort on to every other; one that has left the attempt answers at
+    # once instead of holding the sender for a request timeout (it waited for a begin to come).
+    peers = await start_peers(2, request_timeout=5.0)
+    try:
+        (a, ra, ma), (_, rb, _) = peers
+        gid = b"\x01" * 16
+        ra._ended[gid] = True
+        _, reader, writer = await rb._open(a.peer_id, "vote")
+        await write_frame(writer, {"g": gid, "abort": "timeout"})
+        from p2p.wire import read_frame
+        answer, _ = await read_frame(reader, 5.0)
+        assert answer == {"ok": True}  # not a stream closed after the request timeout
+        assert rejected(ma, "unknown_group") == 0
+        writer.close()
+    finally:
+        await stop_peers(peers)
+
+
 @pytest.mark.parametrize("header", [{"leader": "self"}, {"leader": 7}, {"leader": "x" * 129}, {}],
                          ids=["itself", "not-a-string", "oversized", "missing"])
 async def test_a_malformed_refusal_is_rejected_and_recorded_nowhere(header):

@@ -42,7 +42,7 @@ def test_hostile_behaviours_parse_and_bad_ones_name_the_variable():
             parse(bad)
 
 
-def test_refusals_stand_for_the_quarantine_period_and_are_told_once_a_round():
+def test_refusals_stand_for_the_quarantine_period_and_are_told_each_peer_once_a_round():
     r = Refusals(seconds=100, max_claims=2)
     r.told_us("a", "x", now=0.0)
     r.told_us("b", "x", now=50.0)
@@ -52,4 +52,6 @@ def test_refusals_stand_for_the_quarantine_period_and_are_told_once_a_round():
     assert sorted(r.refusers("x", 130.0)) == ["b", "c"]
     r.told_us("d", "x", now=131.0)
     assert sorted(r.refusers("x", 131.0)) == ["c", "d"]
-    assert r.first_this_round("x", 3) and not r.first_this_round("x", 3) and r.first_this_round("x", 4)
+    assert r.to_tell("x", 3, ["a", "x", "b"]) == ["a", "b"]  # never the leader itself
+    assert r.to_tell("x", 3, ["b", "c"]) == ["c"]  # each peer once a round, whichever group it was in
+    assert r.to_tell("x", 4, ["b"]) == ["b"]
