@@ -38,6 +38,13 @@ class PartAudit:
         self._offence = offence
         self.request_timeout = request_timeout
 
+    async def check_when_placed(self, group: Group, others: list[str], deadline: float) -> None:
+        """``check``, as soon as the part it samples is in: while the other parts still arrive."""
+        owner = (group.index - 1) % len(group.members)
+        for k in range(len(group.pieces[owner]) if owner != group.index else 0):
+            await group.placed(owner, k, deadline)
+        await self.check(group, others)
+
     async def check(self, group: Group, others: list[str]) -> None:
         """Recompute this member's sampled piece from every member's input; raise RoundFailed
         (and blame whom it shows lying) unless it matches what the owner sent."""

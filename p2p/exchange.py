@@ -91,6 +91,7 @@ class PartExchange:
                     raise RoundFailed("owner_misreported", "no declaration of the piece's inputs")
                 group.check_declaration(j, k, declared)
                 await off_loop(group.place_piece, j, k, payload, declared)
+                group.wake()  # for whoever waits on the piece (an audit, evidence)
             except (WireError, RoundFailed) as e:
                 self._reject(e.reason, str(e))
                 group.blame.setdefault(group.members[j], e.reason)

@@ -382,6 +382,10 @@ class Group:
             self.failed_by = by
             self._changed.set()
 
+    def wake(self) -> None:
+        """Something waited on may have changed (on the event loop's thread only)."""
+        self._changed.set()
+
     async def _wait(self, predicate, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         while not predicate():

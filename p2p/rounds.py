@@ -279,6 +279,8 @@ class RoundProtocol:
     async def _gather(self, round: int, started: float) -> Group:
         leader_wait_limit = self.gather_timeout + 2 * self.request_timeout
         waited_for_leader: dict[str, float] = {}
+        all_in_since: dict[str, float] = {}  # leader -> since when we see a quorum ready and nobody training
+        all_in_wait_limit = 2 * self.request_timeout + 2 * self.swarm.config.heartbeat_interval
         reported = started
         self._ready_hints.retain(lambda p, r: r[0] >= round)
         state = self._waiting.state
@@ -318,15 +320,23 @@ class RoundProtocol:
                     return group
             elif leader != self.swarm.peer_id and not enough:
                 waited_for_leader.pop(leader, None)  # no quorum in our view either: nobody to blame
+                all_in_since.pop(leader, None)
             elif leader != self.swarm.peer_id:
-                first_seen = waited_for_leader.setdefault(leader, time.monotonic())
-                if time.monotonic() - first_seen > leader_wait_limit:
+                now = time.monotonic()
+                first_seen = waited_for_leader.setdefault(leader, now)
+                # Once nobody we see is still training, an honest leader starts at its next look
+                # (one begin round, a heartbeat or two for its table to show what ours does).
+                if training:
+                    all_in_since.pop(leader, None)
+                settled = now - all_in_since.setdefault(leader, now) if not training else 0.0
+                if now - first_seen > leader_wait_limit or settled > all_in_wait_limit:
                     log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
                     # Out long enough for the others to gather and average without it.
                     self._suspect(leader, 3 * self.swarm.config.heartbeat_interval + self.gather_timeout
                                   + self.deadlines.ceiling)
                     self.offence(leader, "silent_leader")
                     waited_for_leader.pop(leader)
+                    all_in_since.pop(leader, None)
             if time.monotonic() - reported > WAIT_REPORT_SECONDS:
                 reported = time.monotonic()
                 log.info("round %d: still gathering after %.0fs: %d ready, %d training, %s, table %s",
@@ -440,11 +450,12 @@ class RoundProtocol:
         deadline = loop.time() + self.deadlines.deadline()
         if self.hostile.abort:
             raise RoundFailed("hostile")  # test-only: a member that aborts every group it joins
-        await self.exchange.run(group, deadline)
         others = [p for p in group.members if p != group.me]
         # A member votes only once its own audit is clean: all votes in and equal means every
-        # sampled piece was recomputed and matched, and nobody applies anything otherwise.
-        await all_or_fail([asyncio.ensure_future(self.audits.check(group, others))], group)
+        # sampled piece was recomputed and matched, and nobody applies anything otherwise. The
+        # audit starts once the part it samples is in, while the other parts still land.
+        await all_or_fail([asyncio.ensure_future(self.exchange.run(group, deadline)),
+                           asyncio.ensure_future(self.audits.check_when_placed(group, others, deadline))], group)
         vote = group.digest()
         group.add_vote(group.index, vote)
         await self._to_all(group, others, {"g": group.id, "digest": vote}, group.agreed(deadline))
