@@ -28,9 +28,6 @@ import tomllib
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GONKA_"
-# GONKA_* variables that are not settings: test-only fault injection and hostile behaviour
-# (p2p/faults.py, p2p/hostile.py).
-NOT_SETTINGS = frozenset({"GONKA_TEST_FAULT", "GONKA_TEST_HOSTILE"})
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 _MAX_SOCKET_PATH = 107
@@ -233,6 +230,20 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
 
 
+def env_setting(var: str) -> str | None:
+    """The dotted key an environment variable sets, or None if it is no setting.
+
+    Only ``GONKA_<SECTION>_<KEY>`` of a known section is one (an unknown key of a known section
+    is still an error); the project's other variables (``GONKA_NATIVE_DIR``, ``GONKA_TEST_FAULT``,
+    ...) belong to no section and are left to the code that reads them."""
+    if not var.startswith(ENV_PREFIX):
+        return None
+    section, _, name = var[len(ENV_PREFIX):].lower().partition("_")
+    if section not in SECTIONS:
+        return None
+    return f"{section}.{name}"
+
+
 def load_config(*, toml_path: str | None, environ: Mapping[str, str], overrides: dict[str, object]) -> Config:
     """Build the effective Config: defaults < TOML file < GONKA_* environment < overrides.
 
@@ -271,12 +282,12 @@ def load_config(*, toml_path: str | None, environ: Mapping[str, str], overrides:
                 put(key, value, parse_text=False, source=source)
 
     for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX) or var in NOT_SETTINGS:
+        key = env_setting(var)
+        if key is None:
             continue
-        section, _, name = var[len(ENV_PREFIX):].lower().partition("_")
-        key = f"{section}.{name}"
         if _split_key(key) is None:
-            raise ConfigError(f"{var}: unknown setting")
+            raise ConfigError(f"{var}: unknown setting (known in [{key.partition('.')[0]}]: "
+                              f"{', '.join(FIELD_TYPES[key.partition('.')[0]])})")
         put(key, environ[var], parse_text=True, source=var)
 
     for key, value in overrides.items():
