@@ -32,11 +32,27 @@ TIMEOUT = 5.0
 Handler = Callable[[], Awaitable[Any]]
 
 
+def check_private_dir(path: str) -> None:
+    """Refuse a directory that is not this user's alone (0700, owned by us, not a link): another
+    user could otherwise have made it first and swap our socket for theirs."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise RuntimeError(f"node.control: {path} is not a directory (choose another socket with --control)")
+    if info.st_uid != os.getuid():
+        raise RuntimeError(f"node.control: {path} belongs to uid {info.st_uid}, not to this user "
+                           f"(uid {os.getuid()}); remove it or choose another socket with --control")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise RuntimeError(f"node.control: {path} has mode {stat.S_IMODE(info.st_mode):04o}, must be 0700 "
+                           f"(chmod 700 it or choose another socket with --control)")
+
+
 class ControlServer:
     """Serves the node's control commands on a unix socket at `path`."""
 
-    def __init__(self, path: str, handlers: Mapping[str, Handler]) -> None:
+    def __init__(self, path: str, handlers: Mapping[str, Handler], *, private_dir: bool = False) -> None:
         self.path = path
+        # The default directory is ours alone: refuse one another user made, or opened to others.
+        self.private_dir = private_dir
         self._handlers = dict(handlers)
         self._server: asyncio.AbstractServer | None = None
         self._inode: int | None = None
@@ -45,6 +61,8 @@ class ControlServer:
     async def start(self) -> None:
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, mode=0o700, exist_ok=True)
+        if self.private_dir:
+            check_private_dir(parent)
         await self._remove_stale_socket()
         # asyncio would silently unlink an existing socket here; the check
         # above makes sure that is only ever a dead one.

@@ -212,7 +212,8 @@ class Node:
                 raise UsageError(str(e) if str(e).startswith("node.") else f"node.metrics_addr: {e}")
         control_path = cfg.node.control_path()
         if control_path:
-            self.control = ControlServer(control_path, {"status": self._status, "peers": self._peers})
+            self.control = ControlServer(control_path, {"status": self._status, "peers": self._peers},
+                                         private_dir=not cfg.node.control)
             try:
                 await self.control.start()
             except RuntimeError as e:

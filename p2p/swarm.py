@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -53,9 +53,21 @@ _PR_SET_PDEATHSIG = 1
 # Certificate look-ups of callers we do not know yet (closed swarm with an authority).
 
 
-def _die_with_parent() -> None:
-    """Runs in the forked child before exec: deliver SIGKILL when the node dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+# Runs as the child's first program: a fresh, single-threaded process, where prctl is safe (a
+# ``preexec_fn`` would run Python in a fork of a threaded process, deadlock-prone). It asks for
+# SIGKILL when the node dies, gives up if the node is already gone, and becomes the program.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGKILL)})\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _dying_with_us(program: str, *args: str) -> tuple[str, ...]:
+    """The command line that runs ``program args`` as a child that dies with this process."""
+    return (sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), program, *args)
 
 
 @contextlib.contextmanager
@@ -63,9 +75,8 @@ def _children_die_with_us():
     """hivemind starts p2pd with create_subprocess_exec and offers no hook; add one."""
     original = asyncio.subprocess.create_subprocess_exec
 
-    async def spawn(*args, **kwargs):
-        kwargs.setdefault("preexec_fn", _die_with_parent)
-        return await original(*args, **kwargs)
+    async def spawn(program, *args, **kwargs):
+        return await original(*_dying_with_us(str(program), *map(str, args)), **kwargs)
 
     asyncio.subprocess.create_subprocess_exec = spawn
     try:

@@ -139,3 +139,38 @@ async def test_regular_file_is_not_removed(sock_path):
 def test_client_without_server(sock_path):
     with pytest.raises(ConnectionError, match=r"^no node answering on .*node\.sock: "):
         request(sock_path, "status")
+
+
+async def test_the_default_directory_must_be_ours_alone(sock_path):
+    directory = os.path.dirname(sock_path)
+    os.makedirs(directory, mode=0o755)
+    os.chmod(directory, 0o755)  # made before us, open to others: refused, nothing created in it
+    with pytest.raises(RuntimeError, match="node.control: .* has mode 0755, must be 0700"):
+        await ControlServer(sock_path, {"status": status}, private_dir=True).start()
+    assert os.listdir(directory) == []
+    os.chmod(directory, 0o700)
+    if os.getuid() == 0:  # another user's directory (root can hand it over to test this)
+        os.chown(directory, 65534, 65534)
+        with pytest.raises(RuntimeError, match="belongs to uid 65534, not to this user"):
+            await ControlServer(sock_path, {"status": status}, private_dir=True).start()
+        os.chown(directory, 0, 0)
+    server = ControlServer(sock_path, {"status": status}, private_dir=True)
+    await server.start()
+    try:
+        assert await asyncio.to_thread(request, sock_path, "status") == await status()
+    finally:
+        await server.close()
+
+
+async def test_the_default_directory_may_not_be_a_link(sock_path):
+    target = os.path.dirname(os.path.dirname(sock_path)) + "-target"
+    os.makedirs(target, mode=0o700)
+    os.makedirs(os.path.dirname(os.path.dirname(sock_path)))
+    os.symlink(target, os.path.dirname(sock_path))
+    try:
+        with pytest.raises(RuntimeError, match="is not a directory"):
+            await ControlServer(sock_path, {"status": status}, private_dir=True).start()
+        assert os.listdir(target) == []
+    finally:
+        os.unlink(os.path.dirname(sock_path))
+        os.rmdir(target)
