@@ -296,6 +296,8 @@ class Node:
 
     def write_status(self) -> None:
         if self.swarm is not None:
+            if self.status.state != "stopped":  # what the swarm is told: ready or averaging while in a round
+                self.status.state = self.swarm.state
             self.status.peers = 1 + len(self.swarm.peers)
             self.metrics.peers.set(self.status.peers)
         if self.config.node.status_file:
@@ -312,6 +314,7 @@ class Node:
 
     async def _peers(self) -> list[dict]:
         peers = await self.swarm.refresh_peers(max_age=1.0) if self.swarm else {}
+        self.write_status()
         me = {"peer_id": self.status.peer_id, "state": self.status.state, "round": self.status.round,
               "params_hash": self.status.params_hash, "inner_step": self.status.inner_step,
               "loss": self.status.loss, "multiaddrs": self.status.multiaddrs, "self": True}

@@ -14,7 +14,7 @@ class Status:
     peer_id: str = ""
     run_id: str = ""
     version: str = ""
-    # joining | training | averaging | stopped
+    # joining | training | ready (waiting for the others) | averaging | stopped
     state: str = "joining"
     # Committed outer rounds of the global state this node holds.
     round: int = 0

@@ -324,6 +324,11 @@ class Swarm:
         """The round this peer last announced."""
         return int(self._me["round"])
 
+    @property
+    def state(self) -> str:
+        """The state this peer last announced (``STATES``)."""
+        return str(self._me["state"])
+
     def announce(self, **fields: Any) -> None:
         """Update this peer's heartbeat (state, round, hash, step, loss) and publish it soon."""
         self._me.update(fields)
