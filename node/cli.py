@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from node import admit_cmd, export_cmd, prepare_cmd
+from node import admit_cmd, export_cmd, plot_cmd, prepare_cmd
 from node.config import ConfigError, load_config, to_toml
 
 PROG = "gonka-node"
@@ -118,6 +118,7 @@ def build_parser() -> ArgumentParser:
     prepare_cmd.add_parser(commands)
     export_cmd.add_parser(commands)
     admit_cmd.add_parser(commands)
+    plot_cmd.add_parser(commands)
     return parser
 
 
@@ -281,6 +282,7 @@ COMMANDS = {
     "prepare-data": prepare_cmd.run,
     "export": export_cmd.run,
     "admit": admit_cmd.run,
+    "plot": plot_cmd.run,
 }
 
 

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from node import history
 from node.config import Config
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
@@ -74,6 +75,7 @@ class Node:
         self.control = None
         self.swarm = None
         self.loop_ = None
+        self._bytes_at_commit = (0.0, 0.0)  # sent and received byte counters at the last commit
         self.worker = None
         self._stop_early = False  # a signal arrived before the training loop existed
         self.corpus = None
@@ -273,9 +275,25 @@ class Node:
     # ---- after each commit and on stop ----------------------------------------------
 
     async def after_commit(self, checkpoint: bool = True) -> None:
+        self.record_history()
         if checkpoint:
             await self.checkpoint()
         self.write_status()
+
+    def record_history(self) -> None:
+        """One line for the round just committed in DIR/history.jsonl (node/history.py)."""
+        record = self.loop_.last_commit if self.loop_ is not None else None
+        if record is None or not self.config.node.checkpoint_dir:
+            return
+        sent, received = (self.metrics.registry.get_sample_value(f"gonka_node_{name}_bytes_total") or 0.0
+                          for name in ("sent", "received"))
+        record = dict(record, sent_bytes=int(sent - self._bytes_at_commit[0]),
+                      received_bytes=int(received - self._bytes_at_commit[1]))
+        self._bytes_at_commit = (sent, received)
+        try:
+            history.append(self.config.node.checkpoint_dir, record)
+        except OSError as e:  # a full disk costs the line, not the node
+            log.warning("cannot append to the round history: %s", e)
 
     async def checkpoint(self) -> None:
         if not self.config.node.checkpoint_dir or self.worker is None:

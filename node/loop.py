@@ -51,6 +51,7 @@ class TrainingLoop:
         # Overlapped rounds: the previous round's averaging, running during these inner steps.
         self.pending: asyncio.Future | None = None
         self._evaluated = -1
+        self.last_commit: dict | None = None  # the last committed round, for the history (node/history.py)
 
     def request_stop(self) -> None:
         self.stop_flag.set()
@@ -174,7 +175,7 @@ class TrainingLoop:
             avg = await self.unless_stopped(self.rounds.average(delta, weight, r, state=self.status.params_hash))
             outcome = self.rounds.last
             if avg is not None:
-                await self.commit(avg)
+                await self.commit(avg, weight)
                 return "committed"
             if self.stop_requested.is_set():
                 return None
@@ -187,7 +188,7 @@ class TrainingLoop:
             await asyncio.sleep(RETRY_SECONDS)
         return None
 
-    async def commit(self, avg) -> None:
+    async def commit(self, avg, weight: float) -> None:
         """Apply the committed average. Overlapped, the inner steps of the next round are
         running meanwhile: the local copy is left alone, and evaluation and the checkpoint
         wait for the round boundary."""
@@ -209,6 +210,10 @@ class TrainingLoop:
         self.rounds.certify(prev_hash, self.status.params_hash)
         if overlapped:
             self.swarm.announce(state="training")  # training for the next round already
+        self.last_commit = {"round": self.worker.round, "time": time.time(), "loss": self.status.loss,
+                            "eval_loss": self.status.eval_loss if self._evaluated == self.worker.round else None,
+                            "tokens": weight, "members": members, "allreduce_s": self.rounds.last.allreduce_seconds,
+                            "params_hash": self.status.params_hash}
         log.info("committed round=%d hash=%s members=%d group=%s loss=%.4f eval_loss=%.4f allreduce=%.3fs",
                  self.worker.round, self.status.params_hash, members, self.rounds.last.group_id,
                  self.status.loss or float("nan"), self.status.eval_loss or float("nan"),
