@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from node import admit_cmd, export_cmd, plot_cmd, prepare_cmd
+from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd
 from node.config import ConfigError, load_config, to_toml
 
 PROG = "gonka-node"
@@ -67,6 +67,7 @@ START_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--aggregator", "swarm.aggregator", dict(metavar="NAME", help="how a part owner combines pseudo-gradients: mean, clip or centered_clip (default: clip)")),
     ("--nat-traversal", "swarm.nat_traversal", dict(action="store_true", help="enable UPnP port mapping, AutoNAT and circuit relays in libp2p (default: off; the node talks only to the addresses it is given)")),
     ("--log-level", "node.log_level", dict(metavar="LEVEL", help="debug, info, warning or error (default: info)")),
+    ("--log-format", "node.log_format", dict(metavar="FORMAT", help="text, or json: one JSON object per line (time, level, logger, message) for log shippers (default: text)")),
     ("--threads", "node.threads", dict(metavar="N", type=int, help="torch intra-op threads; 0 = torch's default (default: 0)")),
 ]
 
@@ -154,11 +155,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
     if getattr(args, "print_config", False):
         sys.stdout.write(to_toml(config))
         return 0
-    logging.basicConfig(
-        level=config.node.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logformat.configure(config.node.log_level, config.node.log_format)
     from node.daemon import run_node
 
     try:

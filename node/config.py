@@ -27,6 +27,7 @@ import tomllib
 
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 ENV_PREFIX = "GONKA_"
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
@@ -94,6 +95,8 @@ class NodeConfig:
     threads: int = 0
     # Log verbosity: debug, info, warning or error.
     log_level: str = "info"
+    # Log lines: text, or json (one object per line: time, level, logger, message).
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         require(
@@ -122,6 +125,8 @@ class NodeConfig:
             "node.log_level",
             f"must be one of {', '.join(LOG_LEVELS)} (got {self.log_level!r})",
         )
+        require(self.log_format in LOG_FORMATS, "node.log_format",
+                f"must be one of {', '.join(LOG_FORMATS)} (got {self.log_format!r})")
 
     def control_path(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The control socket to bind, or None when it is "off"."""

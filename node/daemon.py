@@ -107,12 +107,12 @@ class Node:
         if self._stop_early:
             self.loop_.request_stop()
         try:
-            print(f"gonka-node {self.status.version} peer {self.swarm.peer_id} run {cfg.node.run_id}", flush=True)
+            self._tell(f"gonka-node {self.status.version} peer {self.swarm.peer_id} run {cfg.node.run_id}")
             for addr in self.swarm.maddrs:
-                print(f"listening on {addr}", flush=True)
+                self._tell(f"listening on {addr}")
             if self.metrics.bound_port is not None:
                 host = cfg.node.metrics_addr.rsplit(":", 1)[0]
-                print(f"metrics on http://{host}:{self.metrics.bound_port}/metrics", flush=True)
+                self._tell(f"metrics on http://{host}:{self.metrics.bound_port}/metrics")
             checks = self._start_background_checks()
             try:
                 await self.loop_.run()
@@ -271,6 +271,13 @@ class Node:
         self.metrics.round.set(self.worker.round)
         await rounds.start()
         await server.start()
+
+    def _tell(self, line: str) -> None:
+        """A line for the user: on stdout as is, or a log record where every line is JSON."""
+        if self.config.node.log_format == "json":
+            log.info("%s", line)
+        else:
+            print(line, flush=True)
 
     # ---- after each commit and on stop ----------------------------------------------
 

@@ -43,3 +43,14 @@ def test_plot_names_what_is_missing(tmp_path):
                             timeout=60)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"gonka-node: error: --checkpoint-dir: no {history.FILE_NAME} in {tmp_path}"]
+
+
+def test_json_logs_are_one_object_per_line_banner_included(nodes):
+    node = nodes("json", "--inner-steps", "2", "--max-rounds", "1", "--log-format", "json")
+    assert node.wait_exit(120) == 0, node.log()[-3000:]
+    lines = [line for line in node.log().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line, or this raises
+    assert all(set(r) >= {"time", "level", "logger", "message"} for r in records)
+    messages = [r["message"] for r in records]
+    assert any(m.startswith("listening on /ip4/127.0.0.1/") for m in messages)
+    assert any(m.startswith("committed round=1 ") for m in messages)

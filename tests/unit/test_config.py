@@ -102,6 +102,7 @@ def test_env_text_conversion():
         ({}, {"node.run_id": "a/b"}, None, "node.run_id: must be 1-64 characters"),
         ({}, {"node.device": "tpu"}, None, "node.device: must be one of cpu, cuda, auto"),
         ({}, {"node.log_level": "loud"}, None, "node.log_level: must be one of"),
+        ({}, {"node.log_format": "xml"}, None, "node.log_format: must be one of text, json (got 'xml')"),
         ({}, {"node.max_rounds": -1}, None, "node.max_rounds: must be >= 0"),
         ({}, {"outer.land_step": -1}, None, "outer.land_step: must be >= 0 (got -1)"),
         ({}, {"inner.lr": "nan"}, None, "inner.lr: expected a finite number"),
