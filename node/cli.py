@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd
+from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd, top_cmd
 from node.config import ConfigError, load_config, to_toml
 
 PROG = "gonka-node"
@@ -120,6 +120,7 @@ def build_parser() -> ArgumentParser:
     export_cmd.add_parser(commands)
     admit_cmd.add_parser(commands)
     plot_cmd.add_parser(commands)
+    top_cmd.add_parser(commands, _control_args)
     return parser
 
 
@@ -280,6 +281,7 @@ COMMANDS = {
     "export": export_cmd.run,
     "admit": admit_cmd.run,
     "plot": plot_cmd.run,
+    "top": lambda args: top_cmd.run(args, lambda cmd: _ask(args, cmd)),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 import threading
@@ -23,6 +24,7 @@ from node import history
 from node.config import Config
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
+from p2p.swarm import parse_observed
 
 log = logging.getLogger("gonka.node")
 
@@ -214,7 +216,7 @@ class Node:
                 raise UsageError(str(e) if str(e).startswith("node.") else f"node.metrics_addr: {e}")
         control_path = cfg.node.control_path()
         if control_path:
-            self.control = ControlServer(control_path, {"status": self._status, "peers": self._peers},
+            self.control = ControlServer(control_path, {"status": self._status, "peers": self._peers, "top": self._top},
                                          private_dir=not cfg.node.control)
             try:
                 await self.control.start()
@@ -288,19 +290,44 @@ class Node:
         self.write_status()
 
     def record_history(self) -> None:
-        """One line for the round just committed in DIR/history.jsonl (node/history.py)."""
+        """The round just committed: one line in DIR/history.jsonl (node/history.py), and what our
+        heartbeat says of it."""
         record = self.loop_.last_commit if self.loop_ is not None else None
-        if record is None or not self.config.node.checkpoint_dir:
+        if record is None:
             return
         sent, received = (self.metrics.registry.get_sample_value(f"gonka_node_{name}_bytes_total") or 0.0
                           for name in ("sent", "received"))
         record = dict(record, sent_bytes=int(sent - self._bytes_at_commit[0]),
                       received_bytes=int(received - self._bytes_at_commit[1]))
         self._bytes_at_commit = (sent, received)
+        self.swarm.announce(obs=self._observed(record))
+        if not self.config.node.checkpoint_dir:
+            return
         try:
             history.append(self.config.node.checkpoint_dir, record)
         except OSError as e:  # a full disk costs the line, not the node
             log.warning("cannot append to the round history: %s", e)
+
+    def _observed(self, record: dict) -> dict:
+        """What the heartbeat tells of our last round (p2p/swarm.py ``OBSERVED``), for `top` elsewhere."""
+        seconds = record.get("allreduce_s") or 0.0
+        obs = {"ar": seconds, "gw": self.loop_.rounds.last.gather_seconds,
+               "bw": (record["sent_bytes"] + record["received_bytes"]) / seconds if seconds > 0 else 0.0,
+               "ab": self.counted("gonka_node_rounds_aborted_total"),
+               "rj": self.counted("gonka_node_rejected_messages_total")}
+        if record.get("eval_loss") is not None:
+            obs["el"] = record["eval_loss"]
+        return {k: round(float(v), 6) for k, v in obs.items() if math.isfinite(v) and v >= 0}
+
+    def counted(self, name: str, by: str | None = None) -> float | dict[str, float]:
+        """A counter's total over its labels, or (``by``) its value per label value."""
+        per: dict[str, float] = {}
+        for metric in self.metrics.registry.collect():
+            for sample in metric.samples:
+                if sample.name == name:
+                    key = sample.labels.get(by, "") if by else ""
+                    per[key] = per.get(key, 0.0) + sample.value
+        return per if by else sum(per.values())
 
     async def checkpoint(self) -> None:
         if not self.config.node.checkpoint_dir or self.worker is None:
@@ -342,8 +369,17 @@ class Node:
         self.write_status()
         me = {"peer_id": self.status.peer_id, "state": self.status.state, "round": self.status.round,
               "params_hash": self.status.params_hash, "inner_step": self.status.inner_step,
-              "loss": self.status.loss, "multiaddrs": self.status.multiaddrs, "self": True}
+              "loss": self.status.loss, "multiaddrs": self.status.multiaddrs, "self": True,
+              **parse_observed(self.swarm.observed if self.swarm else {})}
         return [me] + [dict(r.to_json(), self=False) for r in peers.values()]
+
+    async def _top(self) -> dict:
+        """One screen of `gonka-node top`: every peer's row (ours first; the others' as their
+        heartbeats tell it) and this node's own counts by reason."""
+        return {"peers": await self._peers(), "run_id": self.config.node.run_id,
+                "aborts": self.counted("gonka_node_rounds_aborted_total", by="reason"),
+                "rejected": self.counted("gonka_node_rejected_messages_total", by="reason"),
+                "quarantined": self.counted("gonka_node_quarantined_total", by="reason")}
 
     # ---- stop ------------------------------------------------------------------------
 

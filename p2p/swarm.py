@@ -27,7 +27,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from hivemind.dht.node import DHTNode
@@ -122,6 +122,8 @@ class PeerRecord:
     round_tokens: int = 0  # tokens trained so far towards its next round
     fingerprint: str = ""  # digest of what the peer trains (trainer/fingerprint.py)
     fingerprint_parts: dict | None = None
+    # What the peer says of its last round (``OBSERVED``): shown to operators, never acted on.
+    observed: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -133,6 +135,7 @@ class PeerRecord:
             "loss": self.loss,
             "round_tokens": self.round_tokens,
             "multiaddrs": list(self.maddrs),
+            **self.observed,
         }
 
 
@@ -166,7 +169,25 @@ def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
     if fpp is not None and parts is None:
         raise ValueError("bad_heartbeat_fingerprint")
     return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs), rtok,
-                      fp, parts)
+                      fp, parts, parse_observed(value.get("obs", {})))
+
+
+# Heartbeat field ``obs``: what a peer reports of its last committed round, for `gonka-node top`.
+OBSERVED = {"el": "eval_loss", "ar": "allreduce_s", "bw": "allreduce_bytes_per_s", "gw": "gather_wait_s",
+            "ab": "aborts", "rj": "rejected"}
+
+
+def parse_observed(obs: Any) -> dict[str, float]:
+    """The known, finite, non-negative numbers of a heartbeat's ``obs`` field, by their long names."""
+    if not isinstance(obs, dict) or len(obs) > len(OBSERVED):
+        raise ValueError("bad_heartbeat_observed")
+    out = {}
+    for short, value in obs.items():
+        if short not in OBSERVED or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= value < 2**53:  # NaN fails the comparison too
+            raise ValueError("bad_heartbeat_observed")
+        out[OBSERVED[short]] = float(value)
+    return out
 
 
 class Swarm:
@@ -323,6 +344,11 @@ class Swarm:
     def round(self) -> int:
         """The round this peer last announced."""
         return int(self._me["round"])
+
+    @property
+    def observed(self) -> dict:
+        """What our heartbeat says of our last round (``OBSERVED``, short keys)."""
+        return dict(self._me.get("obs") or {})
 
     @property
     def state(self) -> str:

@@ -1,0 +1,55 @@
+"""`gonka-node top` in a real terminal (tmux): one screen of every peer, refreshed, Ctrl-C quits."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.integration.nodes import BIN, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240),
+              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
+
+
+def tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=10, check=True).stdout
+
+
+def test_top_shows_every_peer_refreshes_and_quits_on_ctrl_c(nodes):
+    a = nodes("a", "--inner-steps", "4", "--min-peers", "2")
+    b = nodes("b", "--inner-steps", "4", "--min-peers", "2", "--bootstrap", a.address())
+    for n in (a, b):
+        n.wait_round(2, timeout=150)
+    ids = [n.status()["peer_id"][-8:] for n in (a, b)]
+    session = f"gonka-top-{os.getpid()}"
+    tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "40",
+         f"{BIN} top --control {a.control} --interval 0.5")
+    try:
+        tmux("set-option", "-t", session, "remain-on-exit", "on")
+
+        def screen() -> str:
+            return tmux("capture-pane", "-p", "-t", session)
+
+        def rounds_shown(text: str) -> dict[str, int]:
+            return {m.group(1): int(m.group(2)) for m in re.finditer(r"^[* ](\w{8}) +\w+ +(\d+) ", text, re.M)}
+
+        def screen_when(ok):
+            text = screen()
+            return text if ok(rounds_shown(text)) else None
+
+        first = wait_until(lambda: screen_when(lambda shown: set(shown) == set(ids)), 60, "top to show both peers")
+        assert re.search(r"2 peers, 2 on our params_hash", first) or "≠" in first, first
+        assert f"*{ids[0]}" in first  # this node's own row is marked and first among the rows
+        shown = rounds_shown(first)
+        # Refreshed in place: later screens show later rounds, on one screen (no scrolling output).
+        later = wait_until(lambda: screen_when(lambda now: min(now.values(), default=0) > max(shown.values())), 90,
+                           "top to show a later round")
+        assert later.count("gonka-node top") == 1, later
+        tmux("send-keys", "-t", session, "C-c")
+        wait_until(lambda: tmux("list-panes", "-t", session, "-F", "#{pane_dead}").strip() == "1", 20,
+                   "top to quit on Ctrl-C")
+        assert tmux("list-panes", "-t", session, "-F", "#{pane_dead_status}").strip() == "0"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, timeout=10)
