@@ -209,6 +209,7 @@ class Node:
             load_or_create_identity(identity)
 
         self.metrics = NodeMetrics()
+        self.metrics.min_peers.set(cfg.swarm.min_peers)
         if cfg.node.metrics_addr != "off":
             try:
                 self.metrics.start(cfg.node.metrics_addr)
@@ -329,7 +330,7 @@ class Node:
                     per[key] = per.get(key, 0.0) + sample.value
         return per if by else sum(per.values())
 
-    async def checkpoint(self) -> None:
+    async def checkpoint(self, final: bool = False) -> None:
         if not self.config.node.checkpoint_dir or self.worker is None:
             return
         from trainer.checkpoint import save_checkpoint
@@ -342,7 +343,14 @@ class Node:
                  "worker": self.worker.state_dict(),
                  "feedback": feedback.state_dict() if feedback is not None else None,
                  "commits": self.loop_.rounds.commits.state_dict()}
-        await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
+        try:
+            await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
+        except OSError as e:  # written atomically: the previous checkpoint is intact; retried next commit
+            self.metrics.checkpoint_failures.inc()
+            if final:  # no next commit: stopping says so
+                raise
+            log.error("checkpoint failed, the previous one stays in use: %s", e)
+            return
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
 
@@ -388,7 +396,7 @@ class Node:
         errors = []
         steps = []
         if self.loop_ is not None:
-            steps.append(("checkpoint", self.checkpoint))
+            steps.append(("checkpoint", lambda: self.checkpoint(final=True)))
         if self.compute is not None:
             compute = self.compute
             steps.append(("compute", lambda: asyncio.to_thread(compute.close)))

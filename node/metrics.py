@@ -214,6 +214,12 @@ class NodeMetrics:
 
         # Checkpoints.
         self.checkpoints = Counter("gonka_node_checkpoints_total", "Checkpoints written to disk.", registry=r)
+        self.checkpoint_failures = Counter(
+            "gonka_node_checkpoint_failures_total",
+            "Checkpoints that could not be written (a full disk, say): the node trains on, the previous "
+            "checkpoint stays in use, the next commit tries again.", registry=r)
+        self.min_peers = Gauge("gonka_node_min_peers", "The run's --min-peers: no round commits with fewer "
+                               "members (a strict majority of the live peers is needed as well).", registry=r)
         self.checkpoint_seconds = Histogram(
             "gonka_node_checkpoint_seconds",
             "Wall time of writing one checkpoint, fsync included.",

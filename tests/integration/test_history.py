@@ -54,3 +54,36 @@ def test_json_logs_are_one_object_per_line_banner_included(nodes):
     messages = [r["message"] for r in records]
     assert any(m.startswith("listening on /ip4/127.0.0.1/") for m in messages)
     assert any(m.startswith("committed round=1 ") for m in messages)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_counted_and_training_goes_on(nodes, tmp_path):
+    import re
+    import shutil
+    import urllib.request
+
+    from tests.integration.nodes import wait_until
+
+    ckpt = tmp_path / "ckpt"
+    node = nodes("full", "--inner-steps", "2", "--checkpoint-dir", str(ckpt), "--metrics-addr", "127.0.0.1:0")
+    node.wait_round(1, timeout=90)
+    url = wait_until(lambda: re.search(r"^metrics on (\S+)", node.log(), re.M), 30, "metrics address").group(1)
+
+    def metric(name: str) -> float:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        m = re.search(rf"^{name} (\S+)", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    wait_until(lambda: metric("gonka_node_checkpoints_total") >= 1, 60, "a first checkpoint")
+    # The directory turns into a file (as good as a full disk: every write fails).
+    shutil.move(ckpt, tmp_path / "saved")
+    ckpt.write_text("not a directory")
+    failed_at = max(node.rounds())
+    wait_until(lambda: metric("gonka_node_checkpoint_failures_total") >= 2, 90, "failed checkpoints to be counted")
+    node.wait_round(failed_at + 2, timeout=90)  # training went on
+    assert node.proc.poll() is None
+    ckpt.unlink()
+    shutil.move(tmp_path / "saved", ckpt)  # room again: the next commit's checkpoint is written
+    written = metric("gonka_node_checkpoints_total")
+    wait_until(lambda: metric("gonka_node_checkpoints_total") > written, 90, "checkpoints to resume")
+    node.proc.terminate()
+    assert node.wait_exit(60) == 0, node.log()[-3000:]
