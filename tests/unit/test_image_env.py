@@ -41,7 +41,8 @@ def image(path: str) -> tuple[dict[str, str], list[str]]:
         if word == "ENV":
             for item in shlex.split(rest):
                 key, _, value = item.partition("=")
-                env[key] = value
+                # $VAR as docker expands it: from the ENV lines before, else the base image's (ours here)
+                env[key] = re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), os.environ.get(m.group(1), "")), value)
         elif word == "ENTRYPOINT":
             entry = json.loads(rest)
         elif word == "CMD":
