@@ -366,8 +366,17 @@ class RoundProtocol:
     def _tell_refused(self, leader: str, round: int, peers) -> None:
         """We refuse ``leader``'s groups (quarantined): tell ``peers`` (each once a round), so that
         they stop joining them once enough of us do (``shunned``)."""
+        async def tell(peer: str) -> None:  # a few tries: a busy moment must not cost the round its word
+            for attempt in range(3):
+                try:
+                    await self._call(peer, "refuse", {"leader": leader})
+                    return
+                except (RoundFailed, WireError, OSError, asyncio.IncompleteReadError) as e:
+                    log.debug("telling %s that we refuse %s failed: %r", peer[-8:], leader[-8:], e)
+                    await asyncio.sleep(0.5 * (attempt + 1))
+
         for peer in self.refusals.to_tell(leader, round, [p for p in peers if p != self.swarm.peer_id]):
-            self._background(self._call(peer, "refuse", {"leader": leader}))
+            self._background(tell(peer))
 
     async def _on_refuse(self, sender: str, header: dict, reader, writer) -> None:
         leader = hfield(header, "leader", str)

@@ -1,16 +1,14 @@
 """Signals: SIGTERM stops cleanly; neither SIGTERM nor SIGKILL leaves a child behind;
 p2pd runs with UPnP, AutoNAT and relays off."""
 
-import json
 import re
 import signal
-import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.integration.nodes import BIN, alive, wait_until
+from tests.integration.nodes import alive, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -51,19 +49,3 @@ def test_sigkill_leaves_no_child_behind(nodes):
     node.wait_exit(30)
     wait_until(lambda: not alive(p2pd), 10, "p2pd to die with its node")
 
-
-def test_status_says_ready_while_the_node_waits_for_the_others(nodes):
-    # Alone with --min-peers 2: after its first inner round it waits for a peer that never
-    # comes, and says so (not "training").
-    node = nodes("wait", "--inner-steps", "2", "--min-peers", "2")
-    node.address()
-
-    def state():
-        out = subprocess.run([str(BIN), "status", "--control", node.control, "--json"],
-                             capture_output=True, text=True, timeout=30)
-        return json.loads(out.stdout)["state"] if out.returncode == 0 else None
-
-    wait_until(lambda: state() == "ready", 60, "status to say ready")
-    assert node.status()["state"] == "ready"  # the status file says the same
-    node.proc.send_signal(signal.SIGTERM)
-    assert node.wait_exit(60) == 0, node.log()[-3000:]

@@ -1,5 +1,7 @@
-"""`gonka-node top` in a real terminal (tmux): one screen of every peer, refreshed, Ctrl-C quits."""
+"""`gonka-node top` in a real terminal (tmux): one screen of every peer, refreshed, Ctrl-C quits;
+and `gonka-node status` saying ``ready`` while a node waits for the others."""
 
+import json
 import os
 import re
 import shutil
@@ -17,9 +19,19 @@ def tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=10, check=True).stdout
 
 
+def status_state(node) -> str | None:
+    out = subprocess.run([str(BIN), "status", "--control", node.control, "--json"], capture_output=True, text=True,
+                         timeout=30)
+    return json.loads(out.stdout)["state"] if out.returncode == 0 else None
+
+
 def test_top_shows_every_peer_refreshes_and_quits_on_ctrl_c(nodes):
     a = nodes("a", "--inner-steps", "4", "--min-peers", "2")
-    b = nodes("b", "--inner-steps", "4", "--min-peers", "2", "--bootstrap", a.address())
+    address = a.address()
+    # Alone with --min-peers 2, after its first inner round a waits for a peer, and says so.
+    wait_until(lambda: status_state(a) == "ready", 60, "status to say ready")
+    assert a.status()["state"] == "ready"  # the status file says the same
+    b = nodes("b", "--inner-steps", "4", "--min-peers", "2", "--bootstrap", address)
     for n in (a, b):
         n.wait_round(2, timeout=150)
     ids = [n.status()["peer_id"][-8:] for n in (a, b)]
