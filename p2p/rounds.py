@@ -487,8 +487,16 @@ class RoundProtocol:
     async def _open(self, peer: str, name: str):
         try:
             async with asyncio.timeout(self.request_timeout):
-                info, reader, writer = await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer),
-                                                                                         self._names[name])
+                try:
+                    info, reader, writer = await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer),
+                                                                                             self._names[name])
+                except Exception:
+                    # p2pd may not know its addresses yet (we met it only through the DHT): dial the
+                    # ones its own signed heartbeat gives, then try once more.
+                    if not await self.swarm.connect_to(peer):
+                        raise
+                    info, reader, writer = await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer),
+                                                                                             self._names[name])
                 return info, FrameReader.attach(reader, writer), writer
         except TimeoutError:
             raise RoundFailed("unreachable", peer[-8:]) from None

@@ -388,6 +388,20 @@ class Swarm:
         while len(self._known) > 64:
             del self._known[next(iter(self._known))]
 
+    async def connect_to(self, peer: str) -> bool:
+        """Dial ``peer`` at the addresses of its record in our table; False if it has none or fails."""
+        record = self.peers.get(peer)
+        if record is None or not record.maddrs:
+            return False
+        from hivemind.utils.multiaddr import Multiaddr
+
+        try:
+            await self.p2p._client.connect(peer_id_from(peer), [Multiaddr(a) for a in record.maddrs])
+            return True
+        except Exception as e:
+            log.debug("dialing %s at its addresses failed: %r", peer[-8:], e)
+            return False
+
     async def reconnect(self) -> int:
         """Ping the peers we know into the DHT routing table again; returns how many answered.
 
