@@ -328,7 +328,9 @@ class RoundProtocol:
                 # (one begin round, a heartbeat or two for its table to show what ours does).
                 if training:
                     all_in_since.pop(leader, None)
-                settled = now - all_in_since.setdefault(leader, now) if not training else 0.0
+                    settled = 0.0
+                else:
+                    settled = now - all_in_since.setdefault(leader, now)
                 if now - first_seen > leader_wait_limit or settled > all_in_wait_limit:
                     log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
                     # Out long enough for the others to gather and average without it.
