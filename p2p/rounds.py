@@ -247,9 +247,10 @@ class RoundProtocol:
     def offence(self, peer: str, reason: str) -> None:
         """Record what a peer did (p2p/quarantine.py); count and log a new quarantine."""
         if peer != self.swarm.peer_id and self.quarantine.offence(peer, reason, time.monotonic()):
-            # Every live peer hears at once that we refuse its groups now, not only the members of
-            # the next group it leads: they accept that begin before our word reaches them.
-            self._tell_refused(peer, self.swarm.round, live_peers(self.swarm.peers, self.swarm.peer_id))
+            # Every peer hears at once that we refuse its groups now, not only the members of the
+            # next group it leads (they accept that begin before our word reaches them), and not
+            # only the live ones: one still joining is live in a moment, and would not hear it.
+            self._tell_refused(peer, self.swarm.round, self.swarm.peers)
             self.metrics.quarantined.labels(reason=reason).inc()
             self.metrics.quarantined_peers.set(len(self.quarantine.active(time.monotonic())))
             log.warning("quarantined peer %s for %.0fs: %s", peer[-8:], self.quarantine.seconds, reason)

@@ -25,10 +25,11 @@ def quarantined(metrics, reason: str) -> float:
 
 
 async def settle(peers) -> None:
-    """Until every peer's table shows every other peer (a round needs a majority of those it sees)."""
+    """Until every peer's table shows every other peer training (a round needs a majority of the
+    live peers it sees; a peer's first heartbeat says it is joining)."""
     for _ in range(200):
         tables = [await s.refresh_peers() for s, _, _ in peers]
-        if all(len(t) == len(peers) - 1 for t in tables):
+        if all(len(t) == len(peers) - 1 and all(r.state == "training" for r in t.values()) for t in tables):
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the peers never saw each other")
