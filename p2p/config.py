@@ -6,14 +6,38 @@ starting with the dotted key (``swarm.listen: ...``).
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass, field
 
 from trainer.config import require
 
 
-def _is_multiaddr(text: str) -> bool:
-    from hivemind.utils.multiaddr import Multiaddr
+def _multiaddr_class():
+    """hivemind's multiaddr parser (a package of its own, vendored in hivemind.utils), loaded on
+    its own: through ``hivemind.utils`` it brings torch along, seconds before a bad address in a
+    user's config can be named."""
+    module = sys.modules.get(_MULTIADDR)
+    if module is None:
+        where = os.path.join(importlib.util.find_spec("hivemind").submodule_search_locations[0], "utils", "multiaddr")
+        spec = importlib.util.spec_from_file_location(_MULTIADDR, os.path.join(where, "__init__.py"),
+                                                      submodule_search_locations=[where])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_MULTIADDR] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[_MULTIADDR]
+            raise
+    return module.Multiaddr
 
+
+_MULTIADDR = "p2p._multiaddr"
+
+
+def _is_multiaddr(text: str) -> bool:
+    Multiaddr = _multiaddr_class()
     try:
         Multiaddr(text)
         return True
@@ -31,6 +55,9 @@ def _is_peer_id(text: str) -> bool:
 
 
 AGGREGATORS = ("mean", "clip", "centered_clip")
+# p2p/codecs.py's CODECS, by name (checked by tests/unit/test_codecs.py): without torch, which a
+# config needs no more than a user waiting to hear that a value is wrong.
+CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "int4", "fp4")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,9 +125,8 @@ class SwarmConfig:
         for addr in self.announce:
             require("/tcp/0/" not in addr + "/", "swarm.announce", f"needs an explicit port, not 0: {addr!r}")
         require(self.min_peers >= 1, "swarm.min_peers", f"must be >= 1 (got {self.min_peers})")
-        from p2p.codecs import CODECS
-
-        require(self.codec in CODECS, "swarm.codec", f"must be one of {', '.join(CODECS)} (got {self.codec!r})")
+        require(self.codec in CODEC_NAMES, "swarm.codec",
+                f"must be one of {', '.join(CODEC_NAMES)} (got {self.codec!r})")
         require(64 * 1024 <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
                 f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
         require(self.aggregator in AGGREGATORS, "swarm.aggregator",

@@ -23,8 +23,14 @@ FAST = [
     "--metrics-addr", "off", "--threads", "1", "--model", "tiny",
     "--set", "swarm.heartbeat_interval=0.5", "--set", "swarm.gather_timeout=20",
     "--set", "swarm.round_timeout=20", "--set", "swarm.request_timeout=5",
-    "--set", "data.batch_size=4", "--set", "data.seq_len=64",
+    "--set", "data.batch_size=4", "--set", "data.seq_len=32", "--set", "data.eval_batches=2",
 ]
+
+# The bound README.md documents for the FAST settings of nodes.py: a survivor commits
+# within round_timeout (detect) + max(3 heartbeats, request_timeout) (regroup)
+# + round_timeout (the retried all-reduce) of a fault.
+HEARTBEAT, REQUEST, ROUND = 0.5, 5.0, 20.0
+BOUND = ROUND + max(3 * HEARTBEAT, REQUEST) + ROUND
 
 COMMITTED = re.compile(r"(committed|resynced) round=(\d+) hash=([0-9a-f]+)")
 LOSS = re.compile(r"committed round=(\d+) .* loss=([0-9.]+)")
@@ -130,3 +136,11 @@ class NodeProc:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._log.close()
+
+
+def commit_times(node) -> list[tuple[float, int]]:
+    """(wall time, round) of every commit in the node's log."""
+    out = []
+    for stamp, r in re.findall(r"^(\S+ \S+),\d+ INFO gonka.node: committed round=(\d+)", node.log(), re.M):
+        out.append((time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")), int(r)))
+    return out

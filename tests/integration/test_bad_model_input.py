@@ -4,6 +4,7 @@ what is wrong, exit code 2, and nothing left running."""
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -92,8 +93,10 @@ def test_bad_models_and_datasets_exit_2_naming_the_path(prepared, tmp_path):
         (model, str(wrong_hash), str(wrong_hash), "sha256"),
         (model, str(wrong_count), str(wrong_count), "tokens"),
     ]
-    for model_arg, data_arg, names, says in cases:
-        out = start(tmp_path, model_arg, data_arg)
+    # Each start pays a node's imports before it can look at its input: three at a time.
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda case: start(tmp_path, case[0], case[1]), cases))
+    for (model_arg, data_arg, names, says), out in zip(cases, outs):
         errors = [line for line in out.stderr.splitlines() if line.startswith("gonka-node: error:")]
         assert out.returncode == 2, (model_arg, data_arg, out.stderr[-2000:])
         assert len(errors) == 1, out.stderr[-2000:]

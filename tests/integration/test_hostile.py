@@ -10,8 +10,11 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from tests.integration.nodes import BOUND, commit_times
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -44,9 +47,16 @@ def test_a_killed_member_never_splits_the_survivors_under_cpu_load(nodes, cpu_lo
                             env={"GONKA_TEST_FAULT": "reduce@2:4"} if i == 3 else None) for i in range(1, 4))]
     victim, survivors = swarm[3], swarm[:3]
     assert victim.wait_exit(240) == -signal.SIGKILL, victim.log()[-3000:]
+    died = time.time()
     fault_round = int(re.search(r"SIGKILL at \w+ of round (\d+)", victim.log()).group(1))
     for n in survivors:
         n.wait_round(fault_round + 2, timeout=240)
+    # The attempt it died in aborted, and each survivor committed again within the documented
+    # bound (tests/integration/test_faults.py kills one in every other phase).
+    assert any(f"aborted round={fault_round}" in n.log() for n in survivors)
+    for n in survivors:
+        after = [t for t, r in commit_times(n) if r >= fault_round and t >= died - 1]
+        assert after and after[0] - died <= BOUND, (n.name, after, died)
     for n in survivors:
         n.proc.send_signal(signal.SIGTERM)
     for n in survivors:

@@ -19,24 +19,25 @@ def test_resume_equals_never_stopping(nodes, tmp_path, overlap):
         # round, after two from the preview) every run takes the same path.
         base += ["--set", "outer.land_step=3"]
 
+    # The three runs share nothing but the identity (each starts a swarm of its own): side by
+    # side, as three hosts would be.
     straight = nodes("straight", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c0"))
-    assert straight.wait_exit(120) == 0, straight.log()[-3000:]
-    expected = straight.status()
-
     # Clean stop after round 2, then resume to round 4.
     first = nodes("part1", *base, "--max-rounds", "2", "--checkpoint-dir", str(tmp_path / "c1"))
-    assert first.wait_exit(120) == 0, first.log()[-3000:]
-    second = nodes("part2", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c1"))
-    assert second.wait_exit(120) == 0, second.log()[-3000:]
-    assert "resumed from" in second.log()
-
     # SIGKILL right after round 2 committed (somewhere in round 3), then resume to round 4.
     victim = nodes("victim", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
-    victim.wait_round(2, timeout=120)
+    victim.wait_round(2, timeout=180)
     victim.proc.send_signal(signal.SIGKILL)
     victim.wait_exit(30)
     revived = nodes("revived", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
-    assert revived.wait_exit(120) == 0, revived.log()[-3000:]
+    assert first.wait_exit(180) == 0, first.log()[-3000:]
+    second = nodes("part2", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c1"))
+    assert straight.wait_exit(180) == 0, straight.log()[-3000:]
+    expected = straight.status()
+    assert second.wait_exit(180) == 0, second.log()[-3000:]
+    assert "resumed from" in second.log()
+    assert revived.wait_exit(180) == 0, revived.log()[-3000:]
+    assert "resumed from" in revived.log()
 
     for resumed in (second, revived):
         got = resumed.status()

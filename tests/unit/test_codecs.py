@@ -429,3 +429,11 @@ def test_encode_refuses_a_misshapen_decoded_buffer(name):
     with pytest.raises(CodecError, match="non_finite_input"):
         get_codec(name).encode(torch.tensor([1.0, float("inf")]), torch.empty(2))
 
+
+
+def test_the_config_knows_every_codec_by_name():
+    from p2p.config import CODEC_NAMES, SwarmConfig
+
+    assert tuple(CODECS) == CODEC_NAMES
+    with pytest.raises(ValueError, match="swarm.codec"):
+        SwarmConfig(codec="int2")
