@@ -50,6 +50,7 @@ class TrainingLoop:
         self.round_step = 0
         # Overlapped rounds: the previous round's averaging, running during these inner steps.
         self.pending: asyncio.Future | None = None
+        self._committing: asyncio.Future | None = None  # the commit being applied (see commit)
         self._evaluated = -1
         self.last_commit: dict | None = None  # the last committed round, for the history (node/history.py)
 
@@ -71,6 +72,8 @@ class TrainingLoop:
                 self.pending.cancel()
                 await asyncio.gather(self.pending, return_exceptions=True)
                 self.pending = None
+            if self._committing is not None:  # ... unless it was committing: that ends first
+                await asyncio.gather(self._committing, return_exceptions=True)
 
     async def one_round(self) -> None:
         """Inner steps, then this round's average: awaited (overlap off) or launched in the
@@ -189,9 +192,15 @@ class TrainingLoop:
         return None
 
     async def commit(self, avg, weight: float) -> None:
-        """Apply the committed average. Overlapped, the inner steps of the next round are
-        running meanwhile: the local copy is left alone, and evaluation and the checkpoint
-        wait for the round boundary."""
+        """Apply the committed average, whatever happens meanwhile: a stop that cancels the
+        round in flight waits for it (``run``) instead of checkpointing θ between the outer
+        step and its bookkeeping (the round's certificate, the params_hash announced)."""
+        self._committing = asyncio.ensure_future(self._commit(avg, weight))
+        await asyncio.shield(self._committing)
+
+    async def _commit(self, avg, weight: float) -> None:
+        """Overlapped, the inner steps of the next round are running meanwhile: the local copy
+        is left alone, and evaluation and the checkpoint wait for the round boundary."""
         members = len(self.rounds.last.members)
         overlapped = self.overlapped
         prev_hash = self.status.params_hash

@@ -55,6 +55,7 @@ def _is_peer_id(text: str) -> bool:
 
 
 AGGREGATORS = ("mean", "clip", "centered_clip")
+MIN_STATE_CHUNK_BYTES = 64 * 1024
 # p2p/codecs.py's CODECS, by name (checked by tests/unit/test_codecs.py): without torch, which a
 # config needs no more than a user waiting to hear that a value is wrong.
 CODEC_NAMES = ("fp32", "fp16", "bf16", "int8", "int4", "fp4")
@@ -127,7 +128,7 @@ class SwarmConfig:
         require(self.min_peers >= 1, "swarm.min_peers", f"must be >= 1 (got {self.min_peers})")
         require(self.codec in CODEC_NAMES, "swarm.codec",
                 f"must be one of {', '.join(CODEC_NAMES)} (got {self.codec!r})")
-        require(64 * 1024 <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
+        require(MIN_STATE_CHUNK_BYTES <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
                 f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
         require(self.aggregator in AGGREGATORS, "swarm.aggregator",
                 f"must be one of {', '.join(AGGREGATORS)} (got {self.aggregator!r})")

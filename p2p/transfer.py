@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from p2p import faults
+from p2p.config import MIN_STATE_CHUNK_BYTES
 from p2p.commits import CommitCertificate, CommitLog, decode_certs, encode_certs, verify_chain
 from p2p.swarm import Swarm, peer_id_from
 from p2p.limits import handler_deadline
@@ -34,6 +35,9 @@ from p2p.wire import (MAX_PAYLOAD_BYTES, SMALL_HEADER_BYTES, WireError, close_wr
                       read_frame, write_frame)
 
 log = logging.getLogger(__name__)
+
+DIGEST_BYTES = 16  # blake2b-128 of the whole blob and of each chunk
+MIN_CHUNK_BYTES = MIN_STATE_CHUNK_BYTES  # the smallest chunk a donor may serve
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,9 +131,12 @@ class StateServer:
         elif snap is None:
             await write_frame(writer, {"ok": False, "reason": "no_state"})
         elif op == "meta":
+            # The chunk digests travel as the payload: 16 bytes a chunk outgrow a header (64 KiB)
+            # past ~1.9B parameters at the default chunk size.
             await write_frame(writer, {"ok": True, "round": snap.round, "hash": snap.params_hash,
                                        "size": len(snap.blob), "digest": snap.digest, "shapes": snap.shapes,
-                                       "chunk": snap.chunk_bytes, "chunks": snap.chunk_digests})
+                                       "chunk": snap.chunk_bytes}, b"".join(snap.chunk_digests))
+            await linger(reader, self.swarm.config.request_timeout)
         elif op == "range":
             offset, length = hfield(header, "offset", int), hfield(header, "length", int)
             if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
@@ -166,6 +173,24 @@ class StateDownload:
             return reply, payload
         finally:
             await close_writer(writer)
+
+    async def meta(self, donor: str, round: int, params_hash: str,
+                   shapes: list[list[int]]) -> tuple[bytes, int, tuple[bytes, ...]] | None:
+        """What ``donor`` says of the snapshot it serves: (digest, chunk bytes, chunk digests) if
+        it is (round, params_hash) of a model with these shapes, None if it serves another one;
+        WireError ``bad_state_meta`` if its description does not fit that state."""
+        size = 2 * 4 * sum(_numel(s) for s in shapes)
+        # At most one digest per smallest chunk a donor may use.
+        bound = min(MAX_PAYLOAD_BYTES, DIGEST_BYTES * -(-size // MIN_CHUNK_BYTES))
+        m, digests = await self._request(donor, {"op": "meta"}, max_payload=bound)
+        if m.get("round") != round or m.get("hash") != params_hash:
+            return None
+        chunk = m.get("chunk")
+        if (m.get("shapes") != shapes or m.get("size") != size or not isinstance(m.get("digest"), bytes)
+                or not isinstance(chunk, int) or not MIN_CHUNK_BYTES <= chunk <= MAX_PAYLOAD_BYTES
+                or len(digests) != DIGEST_BYTES * -(-size // chunk)):
+            raise WireError("bad_state_meta", "does not describe this state")
+        return m["digest"], chunk, tuple(digests[i : i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES))
 
     async def fetch_chain(self, round: int, params_hash: str, donors: list[str], commits: CommitLog,
                           admits=lambda peer: True) -> list[CommitCertificate]:
@@ -205,22 +230,16 @@ class StateDownload:
         shapes; raises RuntimeError on failure."""
         expected_size = 2 * 4 * sum(_numel(s) for s in shapes)
         started = time.monotonic()
-        metas = await asyncio.gather(*(self._request(d, {"op": "meta"}) for d in donors), return_exceptions=True)
+        metas = await asyncio.gather(*(self.meta(d, round, params_hash, shapes) for d in donors),
+                                     return_exceptions=True)
         agreeing = {}
         for donor, meta in zip(donors, metas):
-            if isinstance(meta, BaseException):
+            if isinstance(meta, WireError) and meta.reason == "bad_state_meta":
+                self.swarm.reject("bad_state_meta", f"from {donor[-8:]}: {meta}")
+            elif isinstance(meta, BaseException):
                 log.info("donor %s: %r", donor[-8:], meta)
-                continue
-            m = meta[0]
-            if m.get("round") == round and m.get("hash") == params_hash:
-                chunks, chunk = m.get("chunks"), m.get("chunk")
-                if (m.get("shapes") != shapes or m.get("size") != expected_size or not isinstance(m.get("digest"), bytes)
-                        or not isinstance(chunk, int) or not 0 < chunk <= MAX_PAYLOAD_BYTES
-                        or not isinstance(chunks, list) or len(chunks) != -(-expected_size // chunk)
-                        or not all(isinstance(c, bytes) for c in chunks)):
-                    self.swarm.reject("bad_state_meta", f"from {donor[-8:]}")
-                    continue
-                agreeing[donor] = (m["digest"], chunk, tuple(chunks))
+            elif meta is not None:
+                agreeing[donor] = meta
         if not agreeing:
             raise RuntimeError(f"no donor serves round {round} with params_hash {params_hash[:12]}")
         # Donors holding the same (round, params_hash) serve identical bytes; trust the common description.
@@ -280,7 +299,7 @@ class StateDownload:
 
 
 def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
 
 
 def _chunk_digests(blob: bytes, chunk: int) -> list[bytes]:

@@ -279,12 +279,14 @@ class DiLoCoWorker:
     # -- swarm state --------------------------------------------------------
 
     def global_state(self) -> dict:
-        """What a joining peer downloads: round, θ and outer momentum (CPU fp32 copies)."""
-        return {
-            "round": self.round,
-            "params": [g.clone() for g in self.global_params],
-            "momentum": [m.detach().to("cpu", torch.float32, copy=True) for m in self.outer_opt.momentum_buffers()],
-        }
+        """What a joining peer downloads: round, θ and outer momentum (CPU fp32 copies; under the
+        lock, as ``state_dict``)."""
+        with self._lock:
+            return {
+                "round": self.round,
+                "params": [g.clone() for g in self.global_params],
+                "momentum": [m.detach().to("cpu", torch.float32, copy=True) for m in self.outer_opt.momentum_buffers()],
+            }
 
     @torch.no_grad()
     def load_global_state(self, state: dict) -> None:
@@ -339,8 +341,14 @@ class DiLoCoWorker:
                 "tokenizer_dir": m.tokenizer_dir}
 
     def state_dict(self) -> dict:
-        """Everything needed to resume this worker exactly (loadable with weights_only=True)."""
+        """Everything needed to resume this worker exactly (loadable with weights_only=True).
+        Read under the worker's lock: an overlapped outer step running in another thread (a
+        stop can come in the middle of one) is in it entirely or not at all."""
         self._rebase_if_due()
+        with self._lock:
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         state = {
             "config": self._config_echo(),
             "round": self.round,

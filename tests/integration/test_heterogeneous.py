@@ -20,7 +20,7 @@ def trained(node) -> dict[int, tuple[int, float]]:
 
 
 def pair(nodes, *rule):
-    common = ["--min-peers", "2", "--inner-steps", "1000000", *rule]
+    common = ["--min-peers", "2", "--inner-steps", "1000000", "--set", f"data.seq_len={SEQ}", *rule]
     fast = nodes("fast", *common, "--set", f"data.batch_size={FAST_BATCH}")
     slow = nodes("slow", *common, "--set", f"data.batch_size={SLOW_BATCH}", "--bootstrap", fast.address())
     return fast, slow

@@ -115,3 +115,36 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
         save_checkpoint(str(tmp_path), {"round": 2, "bad": lambda: None})  # cannot be pickled
     assert load_checkpoint(str(tmp_path)) == {"round": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["latest.pt"]
+
+
+def test_a_checkpoint_taken_during_an_overlapped_outer_step_holds_all_of_it_or_none(corpus):
+    # A stop can come while the outer step runs in its thread: state_dict must not read θ
+    # stepped and the round not yet counted (or half the tensors stepped).
+    import threading
+
+    worker = make_worker(corpus)
+    rounds(worker, 1)
+    inside, release = threading.Event(), threading.Event()
+    step = worker.outer_opt.step
+
+    def held_step(avg):
+        step(avg)  # θ has moved; the round is counted after this returns
+        inside.set()
+        assert release.wait(30)
+
+    worker.outer_opt.step = held_step
+    delta = [torch.full_like(g, 0.01) for g in worker.global_params]
+    outer = threading.Thread(target=worker.apply_outer, args=(delta,), kwargs={"reset_local": False})
+    outer.start()
+    assert inside.wait(30)
+    taken = []
+    reader = threading.Thread(target=lambda: taken.append(worker.state_dict()))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not taken  # it waits for the step to end ...
+    release.set()
+    outer.join(30)
+    reader.join(30)
+    state = taken[0]  # ... and then holds all of it
+    assert state["round"] == 2 == worker.round
+    assert all(torch.equal(a, b) for a, b in zip(state["global_params"], worker.global_params))

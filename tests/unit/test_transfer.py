@@ -1,5 +1,7 @@
 """State transfer pieces that need no network: choosing the swarm's state, snapshots."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from p2p.swarm import PeerRecord, parse_peer_record
 from p2p.quorum import follow
 from p2p.transfer import Snapshot
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = pytest.mark.timeout(60)
 
 
 def rec(pid: str, rnd: int, h: str, state: str = "training") -> PeerRecord:
@@ -75,3 +77,32 @@ def test_snapshot_round_trip_and_chunk_digests():
     state = snap.unpack()
     assert state["round"] == 7
     assert all(torch.equal(a, b) for a, b in zip(state["params"] + state["momentum"], params + momentum))
+
+
+async def test_a_state_of_more_chunks_than_a_header_holds_is_described_in_full():
+    # 16 bytes of digest a chunk: past ~4,000 chunks (about 1.9B parameters at the default
+    # 4 MiB) they no longer fit a 64 KiB header; the joiner heard only "no donor serves".
+    from p2p.commits import CommitLog
+    from p2p.transfer import MIN_CHUNK_BYTES, StateDownload, StateServer
+    from tests.unit.test_rounds import start_peers, stop_peers
+
+    peers = await start_peers(2)
+    try:
+        (donor, _, metrics), (joiner, _, joiner_metrics) = peers
+        server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
+        await server.start()
+        numel = 4200 * MIN_CHUNK_BYTES // 8  # 4200 chunks of θ and momentum
+        shapes = [[numel]]
+        server.snapshot = Snapshot.build(3, "g", [torch.arange(numel, dtype=torch.float32)], [torch.ones(numel)],
+                                         MIN_CHUNK_BYTES)
+        for _ in range(200):  # it serves peers it sees in the run's table only
+            if joiner.peer_id in await donor.refresh_peers():
+                break
+            await asyncio.sleep(0.05)
+        download = StateDownload(joiner, joiner_metrics, server.name)
+        digest, chunk, digests = await download.meta(donor.peer_id, 3, "g", shapes)
+        assert (digest, chunk, list(digests)) == (server.snapshot.digest, MIN_CHUNK_BYTES, server.snapshot.chunk_digests)
+        assert len(digests) == 4200
+        assert await download.meta(donor.peer_id, 4, "g", shapes) is None  # another round: not this state
+    finally:
+        await stop_peers(peers)
