@@ -337,10 +337,13 @@ class Node:
 
         started = time.monotonic()
         feedback = self.loop_.rounds.feedback
+        # The worker's state is copies of every tensor: taken off the event loop (under the
+        # worker's lock, so an outer step in flight is in it entirely or not at all).
+        worker_state = await asyncio.to_thread(self.worker.state_dict)
         state = {"run_id": self.config.node.run_id, "round_step": self.loop_.round_step,
                  "fingerprint": self.swarm.fingerprint.parts if self.swarm.fingerprint else None,
                  "model": self.worker.model_info(),
-                 "worker": self.worker.state_dict(),
+                 "worker": worker_state,
                  "feedback": feedback.state_dict() if feedback is not None else None,
                  "commits": self.loop_.rounds.commits.state_dict()}
         try:

@@ -375,9 +375,13 @@ class TrainingLoop:
         """After the global state changed: new hash, new snapshot for joiners, new heartbeat."""
         w = self.worker
         params_hash = await asyncio.to_thread(w.params_hash)
-        gs = w.global_state()
-        self.server.snapshot = await asyncio.to_thread(Snapshot.build, gs["round"], params_hash, gs["params"],
-                                                       gs["momentum"], self.swarm.config.state_chunk_bytes)
+
+        def snapshot() -> Snapshot:  # copies of the whole state: never on the event loop
+            gs = w.global_state()
+            return Snapshot.build(gs["round"], params_hash, gs["params"], gs["momentum"],
+                                  self.swarm.config.state_chunk_bytes)
+
+        self.server.snapshot = await asyncio.to_thread(snapshot)
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
         self.swarm.announce(round=self.announced_round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
                             rtok=self.round_step * self.tokens_per_step)

@@ -290,12 +290,13 @@ class StateDownload:
             await asyncio.gather(*workers, return_exceptions=True)
         if remaining["chunks"]:
             raise RuntimeError(f"all {len(donors)} donors failed before the state was complete")
-        if _digest(bytes(blob)) != digest:
+        blob = await asyncio.to_thread(bytes, blob)  # the whole state: hashed and copied off the loop
+        if await asyncio.to_thread(_digest, blob) != digest:
             raise RuntimeError("downloaded state does not match its digest")
         self.metrics.state_download_seconds.observe(time.monotonic() - started)
         log.info("downloaded round %d state (%.1f MB) from %d donors in %.2fs",
                  round, size / 1e6, len(donors), time.monotonic() - started)
-        return Snapshot(round, params_hash, shapes, bytes(blob), digest, chunk, list(chunk_digests))
+        return Snapshot(round, params_hash, shapes, blob, digest, chunk, list(chunk_digests))
 
 
 def _digest(data: bytes) -> bytes:
