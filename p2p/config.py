@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from trainer.config import require
 
 
+_MULTIADDR = "p2p._multiaddr"  # the name hivemind's multiaddr package is loaded under
+
+
 def _multiaddr_class():
     """hivemind's multiaddr parser (a package of its own, vendored in hivemind.utils), loaded on
     its own: through ``hivemind.utils`` it brings torch along, seconds before a bad address in a
@@ -31,9 +34,6 @@ def _multiaddr_class():
             del sys.modules[_MULTIADDR]
             raise
     return module.Multiaddr
-
-
-_MULTIADDR = "p2p._multiaddr"
 
 
 def _is_multiaddr(text: str) -> bool:

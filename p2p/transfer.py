@@ -37,7 +37,6 @@ from p2p.wire import (MAX_PAYLOAD_BYTES, SMALL_HEADER_BYTES, WireError, close_wr
 log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16  # blake2b-128 of the whole blob and of each chunk
-MIN_CHUNK_BYTES = MIN_STATE_CHUNK_BYTES  # the smallest chunk a donor may serve
 
 
 @dataclass(slots=True, frozen=True)
@@ -179,15 +178,15 @@ class StateDownload:
         """What ``donor`` says of the snapshot it serves: (digest, chunk bytes, chunk digests) if
         it is (round, params_hash) of a model with these shapes, None if it serves another one;
         WireError ``bad_state_meta`` if its description does not fit that state."""
-        size = 2 * 4 * sum(_numel(s) for s in shapes)
+        size = _state_bytes(shapes)
         # At most one digest per smallest chunk a donor may use.
-        bound = min(MAX_PAYLOAD_BYTES, DIGEST_BYTES * -(-size // MIN_CHUNK_BYTES))
+        bound = min(MAX_PAYLOAD_BYTES, DIGEST_BYTES * -(-size // MIN_STATE_CHUNK_BYTES))
         m, digests = await self._request(donor, {"op": "meta"}, max_payload=bound)
         if m.get("round") != round or m.get("hash") != params_hash:
             return None
         chunk = m.get("chunk")
         if (m.get("shapes") != shapes or m.get("size") != size or not isinstance(m.get("digest"), bytes)
-                or not isinstance(chunk, int) or not MIN_CHUNK_BYTES <= chunk <= MAX_PAYLOAD_BYTES
+                or not isinstance(chunk, int) or not MIN_STATE_CHUNK_BYTES <= chunk <= MAX_PAYLOAD_BYTES
                 or len(digests) != DIGEST_BYTES * -(-size // chunk)):
             raise WireError("bad_state_meta", "does not describe this state")
         return m["digest"], chunk, tuple(digests[i : i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES))
@@ -228,14 +227,14 @@ class StateDownload:
     async def run(self, round: int, params_hash: str, donors: list[str], shapes: list[list[int]]) -> Snapshot:
         """Download and verify the snapshot (round, params_hash) of a model with these parameter
         shapes; raises RuntimeError on failure."""
-        expected_size = 2 * 4 * sum(_numel(s) for s in shapes)
+        expected_size = _state_bytes(shapes)
         started = time.monotonic()
         metas = await asyncio.gather(*(self.meta(d, round, params_hash, shapes) for d in donors),
                                      return_exceptions=True)
         agreeing = {}
         for donor, meta in zip(donors, metas):
-            if isinstance(meta, WireError) and meta.reason == "bad_state_meta":
-                self.swarm.reject("bad_state_meta", f"from {donor[-8:]}: {meta}")
+            if isinstance(meta, WireError) and meta.reason != "refused":  # as every handler counts them
+                self.swarm.reject(meta.reason, f"from {donor[-8:]}: {meta}")
             elif isinstance(meta, BaseException):
                 log.info("donor %s: %r", donor[-8:], meta)
             elif meta is not None:
@@ -306,6 +305,11 @@ def _digest(data: bytes) -> bytes:
 def _chunk_digests(blob: bytes, chunk: int) -> list[bytes]:
     view = memoryview(blob)
     return [_digest(view[i : i + chunk]) for i in range(0, len(blob), chunk)]
+
+
+def _state_bytes(shapes: list[list[int]]) -> int:
+    """The blob's size: θ and the outer momentum of these shapes, fp32."""
+    return 2 * 4 * sum(_numel(s) for s in shapes)
 
 
 def _numel(shape: list[int]) -> int:

@@ -83,7 +83,8 @@ async def test_a_state_of_more_chunks_than_a_header_holds_is_described_in_full()
     # 16 bytes of digest a chunk: past ~4,000 chunks (about 1.9B parameters at the default
     # 4 MiB) they no longer fit a 64 KiB header; the joiner heard only "no donor serves".
     from p2p.commits import CommitLog
-    from p2p.transfer import MIN_CHUNK_BYTES, StateDownload, StateServer
+    from p2p.config import MIN_STATE_CHUNK_BYTES as MIN_CHUNK_BYTES
+    from p2p.transfer import StateDownload, StateServer
     from tests.unit.test_rounds import start_peers, stop_peers
 
     peers = await start_peers(2)
@@ -104,5 +105,40 @@ async def test_a_state_of_more_chunks_than_a_header_holds_is_described_in_full()
         assert (digest, chunk, list(digests)) == (server.snapshot.digest, MIN_CHUNK_BYTES, server.snapshot.chunk_digests)
         assert len(digests) == 4200
         assert await download.meta(donor.peer_id, 4, "g", shapes) is None  # another round: not this state
+    finally:
+        await stop_peers(peers)
+
+
+async def test_a_description_that_does_not_fit_the_state_is_refused():
+    # A donor's digest list one short, or chunks smaller than any donor may serve (the list it
+    # sends grows past the bound the joiner reads): refused as bad_state_meta, never used.
+    import dataclasses
+
+    from p2p.commits import CommitLog
+    from p2p.transfer import StateDownload, StateServer
+    from p2p.wire import WireError
+    from tests.unit.test_rounds import start_peers, stop_peers
+
+    peers = await start_peers(2)
+    try:
+        (donor, _, metrics), (joiner, _, joiner_metrics) = peers
+        server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
+        await server.start()
+        for _ in range(200):
+            if joiner.peer_id in await donor.refresh_peers():
+                break
+            await asyncio.sleep(0.05)
+        params, momentum = [torch.ones(1 << 16)], [torch.zeros(1 << 16)]
+        honest = Snapshot.build(3, "g", params, momentum, 1 << 16)
+        download = StateDownload(joiner, joiner_metrics, server.name)
+        for lie, reason in ((dataclasses.replace(honest, chunk_digests=honest.chunk_digests[:-1]), "bad_state_meta"),
+                            (Snapshot.build(3, "g", params, momentum, 1024), "oversized_payload")):
+            server.snapshot = lie
+            with pytest.raises(WireError, match=reason):
+                await download.meta(donor.peer_id, 3, "g", [[1 << 16]])
+            with pytest.raises(RuntimeError, match="no donor serves"):
+                await download.run(3, "g", [donor.peer_id], [[1 << 16]])
+            assert joiner_metrics.registry.get_sample_value("gonka_node_rejected_messages_total",
+                                                            {"reason": reason}) == 1
     finally:
         await stop_peers(peers)
