@@ -68,6 +68,8 @@ START_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--nat-traversal", "swarm.nat_traversal", dict(action="store_true", help="enable UPnP port mapping, AutoNAT and circuit relays in libp2p (default: off; the node talks only to the addresses it is given)")),
     ("--log-level", "node.log_level", dict(metavar="LEVEL", help="debug, info, warning or error (default: info)")),
     ("--log-format", "node.log_format", dict(metavar="FORMAT", help="text, or json: one JSON object per line (time, level, logger, message) for log shippers (default: text)")),
+    ("--nproc-per-node", "host.nproc_per_node", dict(metavar="N", type=int, help="train on N local ranks under torch.distributed.run: one per GPU (NCCL), or N CPU processes (gloo); one peer id for the host (default: 1, the node's own process)")),
+    ("--parallel", "host.parallel", dict(metavar="MODE", help="with --nproc-per-node > 1: fsdp (FSDP2, each rank holds 1/N of the model) or ddp (a replica per rank) (default: fsdp)")),
     ("--threads", "node.threads", dict(metavar="N", type=int, help="torch intra-op threads; 0 = torch's default (default: 0)")),
 ]
 
@@ -157,6 +159,22 @@ def _cmd_start(args: argparse.Namespace) -> int:
         sys.stdout.write(to_toml(config))
         return 0
     logformat.configure(config.node.log_level, config.node.log_format)
+    if config.host.nproc_per_node > 1:
+        from trainer.parallel import launched
+
+        if not launched():  # this process becomes the host's launcher; the ranks run start again
+            from node.launch import check_host, launch_host
+
+            try:
+                check_host(config)
+            except ValueError as exc:
+                _fail(str(exc))
+                return 2
+            return launch_host(config, args.argv)
+        if int(os.environ["RANK"]) > 0:
+            from node.follower import run_follower
+
+            return run_follower(config)
     from node.daemon import run_node
 
     try:
@@ -289,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what a host's ranks run again
         return COMMANDS[args.command](args)
     except (UsageError, ConfigError) as exc:
         _fail(str(exc))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2p.config import SwarmConfig
-from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, require
+from trainer.config import DataConfig, HostConfig, InnerConfig, ModelConfig, OuterConfig, require
 
 import tomllib
 
@@ -143,6 +143,7 @@ class Config:
     data: DataConfig
     inner: InnerConfig
     outer: OuterConfig
+    host: HostConfig
 
 
 # Section name -> its dataclass, in the order the TOML dump lists them.
@@ -153,6 +154,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "inner": InnerConfig,
     "outer": OuterConfig,
+    "host": HostConfig,
 }
 
 

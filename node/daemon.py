@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -29,6 +30,7 @@ from p2p.swarm import parse_observed
 log = logging.getLogger("gonka.node")
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+RANKS_CONNECT_SECONDS = 120.0  # the other ranks of a multi-rank host import torch and connect
 
 
 class UsageError(Exception):
@@ -82,6 +84,7 @@ class Node:
         self._stop_early = False  # a signal arrived before the training loop existed
         self.corpus = None
         self.compute = None
+        self.ranks = None  # rank 0 of a multi-rank host: the link to the others (node/ranks.py)
         # A problem found while training (e.g. a corrupt shard): the node stops with exit code 1.
         self._failure: str | None = None
 
@@ -187,7 +190,6 @@ class Node:
         from p2p.swarm import Swarm
         from p2p.transfer import StateServer
         from trainer.checkpoint import load_checkpoint
-        from trainer.diloco import DiLoCoWorker
 
         cfg = self.config
         tune_malloc()
@@ -235,14 +237,11 @@ class Node:
         self.metrics.set_info(self.swarm.peer_id, cfg.node.run_id, self.status.version)
 
         await self.compute.start()
-        self.worker = await self.compute(
-            lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
-                                 shard_key=self.swarm.peer_id, seed=cfg.node.seed, device=device)
-        )
-        # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.
         # A member's weight counts at most twice the round-token budget, or (no budget) twice the
         # members' median weight (p2p/group.py capped_weights).
         weight_cap = 2.0 * cfg.inner.round_tokens
+        self.worker = await self._start_worker(corpus, device)
+        # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.
         rules = f"agg={cfg.swarm.aggregator},cap={int(weight_cap) if weight_cap else 'relative'}"
         fingerprint = await self.compute(self.worker.fingerprint, cfg.swarm.codec, rules)
         genesis = await self.compute(self.worker.params_hash)
@@ -254,6 +253,12 @@ class Node:
                  ", ".join(f"{k}={v}" for k, v in fingerprint.parts.items()))
         commits = CommitLog(self.swarm.scope, genesis)
         rounds = RoundProtocol(self.swarm, self.metrics, commits, weight_cap=weight_cap)
+        if self.ranks is not None:  # the other ranks serve their shards under the run's scope
+            from node.ranks import HostShards
+
+            await self.ranks.request("serve", maddr=str(self.swarm.p2p.daemon_listen_maddr), scope=self.swarm.scope,
+                                     peer=self.swarm.peer_id, cap=weight_cap)
+            rounds.shards = HostShards(self.ranks)
         server = StateServer(self.swarm, self.metrics, commits)
         self.loop_ = TrainingLoop(worker=self.worker, swarm=self.swarm, rounds=rounds, server=server,
                                   compute=self.compute,
@@ -274,6 +279,41 @@ class Node:
         self.metrics.round.set(self.worker.round)
         await rounds.start()
         await server.start()
+
+    async def _start_worker(self, corpus, device: str):
+        """This host's worker: the model in this process, or (a multi-rank host) rank 0's shard of
+        it with the other ranks' behind it (node/ranks.py)."""
+        from trainer.diloco import DiLoCoWorker
+
+        cfg = self.config
+        if cfg.host.nproc_per_node == 1:
+            return await self.compute(
+                lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
+                                     shard_key=self.swarm.peer_id, seed=cfg.node.seed, device=device))
+        from node.ranks import SOCKET_ENV, HostRanks, HostWorker
+        from trainer.parallel import init_ranks
+
+        self.ranks = HostRanks(os.environ[SOCKET_ENV], cfg.host.nproc_per_node, on_lost=self._rank_lost)
+        await self.ranks.start(timeout=RANKS_CONNECT_SECONDS)
+        # Every rank builds its shard at once (the process group forms as they join it).
+        setup = asyncio.ensure_future(self.ranks.request("setup", peer=self.swarm.peer_id, device=device))
+
+        def build():
+            ranks = init_ranks(cfg.host.parallel, device)
+            return DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
+                                shard_key=self.swarm.peer_id, seed=cfg.node.seed, ranks=ranks)
+
+        local = await self.compute(build)
+        replies = await setup
+        return HostWorker(local, self.ranks, [r["hash"] for r in replies], [r["init_hash"] for r in replies])
+
+    def _rank_lost(self, why: str) -> None:
+        """Another rank of this host died: the round in flight fails on its own (HostShards);
+        the node stops, and the launcher stops the host's other ranks."""
+        if self._failure is None:
+            self._failure = f"host rank lost: {why}"
+        if self.loop_ is not None:
+            self.loop_.request_stop()
 
     def _tell(self, line: str) -> None:
         """A line for the user: on stdout as is, or a log record where every line is JSON."""
@@ -403,6 +443,8 @@ class Node:
         if self.compute is not None:
             compute = self.compute
             steps.append(("compute", lambda: asyncio.to_thread(compute.close)))
+        if self.ranks is not None:
+            steps.append(("ranks", self.ranks.close))
         if self.swarm is not None:
             steps.append(("swarm", self.swarm.close))
         if self.control is not None:

@@ -166,7 +166,7 @@ class TrainingLoop:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.worker.data_cfg.batch_size * self.worker.seq_len
+        return self.worker.tokens_per_step
 
     # ---- one round -----------------------------------------------------------------------
 

@@ -31,22 +31,24 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p import faults, hostile
-from p2p.audit import PartAudit
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.commits import CommitLog
 from p2p.compression import flatten, unflatten
 from p2p.deadline import DeadlinePolicy
-from p2p.exchange import PartExchange, all_or_fail, off_loop
+from p2p.exchange import all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
-from p2p.limits import BoundedDict, handler_deadline
+from p2p.limits import BoundedDict
 from p2p.quarantine import Quarantine, Refusals
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum, shunned
+from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, combined_digest, guarded, shard_names
 from p2p.signing import CommitSigning
-from p2p.swarm import Swarm, peer_id_from
-from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
-                      reply, write_frame)
+from p2p.swarm import Swarm
+from p2p.wire import SMALL_HEADER_BYTES, WireError, field as hfield, reply
 
 log = logging.getLogger(__name__)
+
+# The control plane's requests; a shard's all-reduce and audit are its own (p2p/shard.py).
+CONTROL_REQUESTS = ("begin", "vote", "ready", "sign", "refuse")
 
 POLL_SECONDS = 0.25
 WAIT_REPORT_SECONDS = 15.0  # how often a long gather says what it is waiting for
@@ -87,25 +89,25 @@ class RoundProtocol:
         # The members' signatures on the rounds this node commits (``certify``).
         self.signing = CommitSigning(swarm, self.commits, lambda peer, header: self._call(peer, "sign", header))
         cfg = swarm.config
-        self.aggregator = cfg.aggregator
-        self.weight_cap = weight_cap
         self.quarantine = Quarantine(cfg.quarantine_seconds)
-        self.hostile = hostile.BEHAVIOUR  # test-only lies (p2p/hostile.py); honest unless set
         self.min_peers = cfg.min_peers
         self.gather_timeout = cfg.gather_timeout
         self.deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
         self.codec = get_codec(cfg.codec)
-        # What the codec dropped from our contributions, added back next round (lossy codecs only).
-        self.use_feedback = cfg.error_feedback and self.codec.name != "fp32"
-        self.feedback: ErrorFeedback | None = None
         self.request_timeout = cfg.request_timeout
-        self._names = {k: f"gonka.{swarm.scope}.{k}" for k in ("begin", "part", "vote", "ready", "audit", "sign", "evidence",
-                                                                 "refuse")}
+        self._names = shard_names(swarm.scope, CONTROL_REQUESTS + DATA_REQUESTS, None)
+        self.dial = Dialer(swarm.p2p, self._names, cfg.request_timeout, metrics, swarm.connect_to)
+        # This host's shard of every round (its whole pseudo-gradient on a single-rank host).
+        self.plane = ShardPlane(me=swarm.peer_id, codec=self.codec,
+                                use_feedback=cfg.error_feedback and self.codec.name != "fp32",
+                                aggregator=cfg.aggregator, weight_cap=weight_cap, hostile=hostile.BEHAVIOUR,
+                                dial=self.dial,
+                                metrics=metrics, reject=swarm.reject, offence=self.offence, deadlines=self.deadlines,
+                                request_timeout=cfg.request_timeout)
+        # The other ranks' shards of a multi-rank host (node/ranks.py), reduced in the same groups.
+        self.shards = None
         self._waiting: _Waiting | None = None
         self._waiting_set = asyncio.Event()  # set whenever a new wait for a group starts
-        self._group: Group | None = None
-        self._group_set = asyncio.Event()
-        self._ended: BoundedDict = BoundedDict(64)  # ids of our recent groups, over now
         self._suspects: BoundedDict = BoundedDict(4096)
         self._floods: BoundedDict = BoundedDict(4096)  # peer -> when its last flood strike was given
         # Peers that told us directly they are ready for a round (peer -> round).
@@ -116,12 +118,7 @@ class RoundProtocol:
         # Leaders that peers told us they refuse (they quarantined it); see ``quorum.shunned``.
         self.refusals = Refusals(cfg.quarantine_seconds)
         self.last = RoundOutcome("none")
-        self._buffers: dict[str, torch.Tensor] = {}
         self._flood_task: asyncio.Task | None = None
-        self.exchange = PartExchange(self._open, metrics, swarm.reject, self.deadlines)
-        # Every member checks a sampled piece of another's part before it votes (p2p/audit.py).
-        self.audits = PartAudit(self.codec, metrics, self._call, self._send, swarm.reject, self.offence,
-                                cfg.request_timeout)
 
     async def start(self) -> None:
         kernels = getattr(self.codec, "kernels", None)
@@ -130,8 +127,9 @@ class RoundProtocol:
         p2p = self.swarm.p2p
         # A begin lists every member; every other request is a handful of fields.
         await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin, max_header=None))
-        for name in ("part", "vote", "ready", "audit", "sign", "evidence", "refuse"):
+        for name in CONTROL_REQUESTS[1:]:
             await p2p.add_binary_stream_handler(self._names[name], self._guard(getattr(self, f"_on_{name}")))
+        await self.plane.start(p2p, self._guard)
         if self.hostile.flood:
             self._flood_task = asyncio.ensure_future(self._flood())
 
@@ -148,27 +146,20 @@ class RoundProtocol:
 
     # ---- the averaging interface ---------------------------------------------------
 
-    def _buffer(self, name: str, numel: int) -> torch.Tensor:
-        """A vector of ``numel`` fp32 values kept from round to round: the round's copy of the
-        pseudo-gradient (``flat``), what its receivers decode of our part (``sent``) and, with
-        error feedback, the next residual (``residual``: on commit it swaps with the current one).
+    # The shard's settings, read by every new group: test-only lies (p2p/hostile.py; honest
+    # unless set), the cap on a member's weight, how part owners combine contributions.
+    hostile = property(lambda self: self.plane.hostile, lambda self, v: setattr(self.plane, "hostile", v))
+    weight_cap = property(lambda self: self.plane.weight_cap, lambda self, v: setattr(self.plane, "weight_cap", v))
+    aggregator = property(lambda self: self.plane.aggregator)
+    exchange = property(lambda self: self.plane.exchange)
 
-        A fresh vector costs a page fault per 4 KB the first time each page is written (~25K per
-        100 MB; on two shared cores a 25M-value round spent ~0.2 s of system time on them).
-        Rounds on one peer are sequential, so one buffer of each is enough: the tensor work of
-        an attempt that ended runs on the same single worker thread as the next round's (first
-        the flatten), in submission order, and a failed attempt's leftovers never reach a result.
-        """
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() != numel:
-            buf = self._buffers[name] = torch.empty(numel, dtype=torch.float32)
-        return buf
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        return self.plane.feedback
 
     def ensure_feedback(self, numel: int) -> ErrorFeedback | None:
-        """The error-feedback residual for vectors of ``numel`` values (None if not used)."""
-        if self.use_feedback and self.feedback is None:
-            self.feedback = ErrorFeedback(numel)
-        return self.feedback
+        """The error-feedback residual of this host's shard (None if not used)."""
+        return self.plane.ensure_feedback(numel)
 
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int, *,
                       state: str = "") -> list[torch.Tensor] | None:
@@ -177,7 +168,7 @@ class RoundProtocol:
         numel = sum(t.numel() for t in tensors)
         feedback = self.ensure_feedback(numel)
         # A copy of ~4 bytes per parameter, error feedback's residual added on the way: not on the event loop.
-        flat = await off_loop(flatten, tensors, self._buffer("flat", numel),
+        flat = await off_loop(flatten, tensors, self.plane.buffer("flat", numel),
                               feedback.residual if feedback is not None else None)
         if self.hostile.any:
             await off_loop(_hostile_input, flat, self.hostile)
@@ -203,6 +194,8 @@ class RoundProtocol:
         except (RoundFailed, asyncio.CancelledError) as e:
             reason = e.reason if isinstance(e, RoundFailed) else "stopping"
             await asyncio.shield(self._broadcast_abort(group, reason))
+            if self.shards is not None:
+                await asyncio.shield(self.shards.end(group, committed=False))
             self.metrics.averaging_failures.labels(reason=reason).inc()
             self.last = RoundOutcome("aborted", reason, group.id.hex()[:8], group.members,
                                      gathered - started, time.monotonic() - gathered, self._judge(group))
@@ -215,8 +208,9 @@ class RoundProtocol:
             self._leave(group)
         blamed = self._judge(group)
         seconds = time.monotonic() - gathered
-        if feedback is not None:  # only a committed round consumes the residual; the old one's buffer is next
-            self._buffers["residual"] = feedback.adopt(group.residual)
+        self.plane.committed(group)
+        if self.shards is not None:
+            await self.shards.end(group, committed=True)
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds,
@@ -438,21 +432,14 @@ class RoundProtocol:
         return None
 
     def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting) -> Group:
-        numel = waiting.flat.numel()
-        sent = None if self.codec.exact else self._buffer("sent", numel)
-        residual = self._buffer("residual", numel) if self.use_feedback else None
-        return Group(gid, round, members, self.swarm.peer_id, waiting.flat, waiting.weight, self.codec,
-                     residual, sent, aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)
+        return self.plane.new_group(gid, round, members, waiting.flat, waiting.weight)
 
     def _leave(self, group: Group) -> None:
         """The attempt is over: requests naming it are answered at once from now on."""
-        self._ended[group.id] = True
-        if self._group is group:
-            self._group = None
+        self.plane.leave(group)
 
     def _install(self, group: Group) -> None:
-        self._group = group
-        self._group_set.set()
+        self.plane.install(group)
         self._wake.set()
 
     # ---- all-reduce and vote ----------------------------------------------------------
@@ -463,12 +450,16 @@ class RoundProtocol:
         if self.hostile.abort:
             raise RoundFailed("hostile")  # test-only: a member that aborts every group it joins
         others = [p for p in group.members if p != group.me]
-        # A member votes only once its own audit is clean: all votes in and equal means every
-        # sampled piece was recomputed and matched, and nobody applies anything otherwise. The
-        # audit starts once the part it samples is in, while the other parts still land.
-        await all_or_fail([asyncio.ensure_future(self.exchange.run(group, deadline)),
-                           asyncio.ensure_future(self.audits.check_when_placed(group, others, deadline))], group)
-        vote = group.digest()
+        # Every shard of the host in the same group at once (node/ranks.py: the other ranks');
+        # the vote is on all of them, so the round commits for every shard or for none.
+        own = asyncio.ensure_future(self.plane.reduce(group, deadline))
+        if self.shards is None:
+            await all_or_fail([own], group)
+            vote = own.result()
+        else:
+            theirs = asyncio.ensure_future(self.shards.reduce(group, deadline))
+            await all_or_fail([own, theirs], group)
+            vote = combined_digest([own.result(), *theirs.result()])
         group.add_vote(group.index, vote)
         await self._to_all(group, others, {"g": group.id, "digest": vote}, group.agreed(deadline))
         if len(set(group.votes.values())) != 1:
@@ -488,103 +479,25 @@ class RoundProtocol:
     # ---- requests out ------------------------------------------------------------------
 
     async def _open(self, peer: str, name: str):
-        try:
-            async with asyncio.timeout(self.request_timeout):
-                try:
-                    info, reader, writer = await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer),
-                                                                                             self._names[name])
-                except Exception:
-                    # p2pd may not know its addresses yet (we met it only through the DHT): dial the
-                    # ones its own signed heartbeat gives, then try once more.
-                    if not await self.swarm.connect_to(peer):
-                        raise
-                    info, reader, writer = await self.swarm.p2p.call_binary_stream_handler(peer_id_from(peer),
-                                                                                             self._names[name])
-                return info, FrameReader.attach(reader, writer), writer
-        except TimeoutError:
-            raise RoundFailed("unreachable", peer[-8:]) from None
-        except Exception as e:
-            raise RoundFailed("unreachable", f"{peer[-8:]}: {e!r}"[:200]) from None
+        return await self.dial.open(peer, name)
 
     async def _send(self, peer: str, name: str, header: dict, payload: bytes) -> None:
-        """A header, then one frame of payload; waits for the answer (or the request timeout)."""
-        _, reader, writer = await self._open(peer, name)
-        try:
-            self.metrics.sent_bytes.inc(await write_frame(writer, header))
-            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
-            await read_frame(reader, self.request_timeout)
-        finally:
-            await close_writer(writer)
+        await self.dial.send(peer, name, header, payload)
 
     async def _call(self, peer: str, name: str, header: dict, timeout: float | None = None, max_payload: int = 0):
-        _, reader, writer = await self._open(peer, name)
-        try:
-            self.metrics.sent_bytes.inc(await write_frame(writer, header))
-            return await read_frame(reader, timeout or self.request_timeout, max_payload=max_payload)
-        finally:
-            await close_writer(writer)
+        return await self.dial.call(peer, name, header, timeout, max_payload)
 
     # ---- requests in -------------------------------------------------------------------
 
     def _guard(self, handler, max_header: int | None = SMALL_HEADER_BYTES):
-        """Wrap a stream handler: only admitted peers, a bounded number of streams per peer, one
-        deadline for the whole exchange; count and drop anything malformed, always close the stream."""
+        """Only admitted peers, bounded streams per peer, one deadline per request (shard.guarded)."""
         # The longest any handler may take: a part stream lives for the round's all-reduce.
-        limit = self.deadlines.ceiling + 3 * self.request_timeout
-
-        async def run(info, reader, writer):
-            sender = info.peer_id.to_base58()
-            if not self.swarm.streams.acquire(sender):
-                self.swarm.reject("stream_flood", sender[-8:])
-                self._flooded_by(sender)
-                await close_writer(writer)
-                return
-            try:
-                if not await self.swarm.admits(sender):
-                    return  # counted as not_admitted
-                async with handler_deadline(limit):
-                    reader = FrameReader.attach(reader, writer)
-                    header, _ = await read_frame(reader, self.request_timeout, max_payload=0,
-                                                 **({} if max_header is None else {"max_header": max_header}))
-                    await handler(sender, header, reader, writer)
-                    await linger(reader, self.request_timeout)
-            except WireError as e:
-                self.swarm.reject(e.reason, str(e))
-            except RoundFailed as e:
-                self.swarm.reject(e.reason, str(e))
-                await reply(writer, {"ok": False, "reason": e.reason})
-            except (ConnectionError, OSError):
-                pass
-            except asyncio.CancelledError:
-                pass  # the node is shutting down: the stream goes with it
-            except Exception as e:  # never let a peer crash the node
-                log.exception("handler failed")
-                self.swarm.reject("handler_error", repr(e))
-            finally:
-                self.swarm.streams.release(sender)
-                await close_writer(writer)
-
-        return run
+        return guarded(handler, streams=self.swarm.streams, admits=self.swarm.admits, reject=self.swarm.reject,
+                       on_flood=self._flooded_by, limit=self.deadlines.ceiling + 3 * self.request_timeout,
+                       request_timeout=self.request_timeout, max_header=max_header)
 
     async def _group_for(self, sender: str, header: dict) -> tuple[Group, int]:
-        """The current group named by the header, with the sender's index; refuse strangers."""
-        gid = hfield(header, "g", bytes)
-        deadline = time.monotonic() + self.request_timeout
-        while self._group is None or self._group.id != gid:
-            # A member may hear from another member before the leader's begin reaches it.
-            if gid in self._ended or time.monotonic() > deadline:
-                raise RoundFailed("unknown_group")
-            self._group_set.clear()
-            try:
-                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
-                    await self._group_set.wait()
-            except TimeoutError:
-                pass
-        group = self._group
-        index = group.member_index(sender)
-        if index is None:
-            raise RoundFailed("not_a_member")
-        return group, index
+        return await self.plane.group_for(sender, header)
 
     async def _on_begin(self, sender: str, header: dict, reader, writer) -> None:
         round = hfield(header, "r", int)
@@ -642,10 +555,6 @@ class RoundProtocol:
             except TimeoutError:
                 return None
 
-    async def _on_part(self, sender: str, header: dict, reader, writer) -> None:
-        group, index = await self._group_for(sender, header)
-        await self.exchange.serve(group, index, header, reader, writer)
-
     async def _on_ready(self, sender: str, header: dict, reader, writer) -> None:
         round, state = hfield(header, "r", int), header.get("h", "")
         if not isinstance(state, str) or len(state) > 128:
@@ -657,7 +566,7 @@ class RoundProtocol:
         await reply(writer, {"ok": True})
 
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
-        if "abort" in header and hfield(header, "g", bytes) in self._ended:  # it ended here too: nothing to undo
+        if "abort" in header and self.plane.ended(hfield(header, "g", bytes)):  # it ended here too: nothing to undo
             await reply(writer, {"ok": True})
             return
         group, index = await self._group_for(sender, header)
@@ -670,7 +579,7 @@ class RoundProtocol:
     async def _on_sign(self, sender: str, header: dict, reader, writer) -> None:
         """A member's signature on the certificate of a round we committed together (p2p/signing.py)."""
         refused = self.signing.receive(sender, hfield(header, "g", bytes), hfield(header, "pk", bytes),
-                                       hfield(header, "sig", bytes), self._group)
+                                       hfield(header, "sig", bytes), self.plane.group)
         if refused == "not_a_member":
             raise RoundFailed("not_a_member")
         await reply(writer, {"ok": not refused, **({"reason": refused} if refused else {})})
@@ -678,14 +587,6 @@ class RoundProtocol:
     def certify(self, prev: str, new: str):
         """After the last committed round is applied: sign its certificate (p2p/signing.py)."""
         return self.signing.certify(prev, new)
-
-    async def _on_evidence(self, sender: str, header: dict, reader, writer) -> None:
-        group, _ = await self._group_for(sender, header)
-        await self.audits.on_evidence(group, sender, header, reader, writer)
-
-    async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:
-        group, _ = await self._group_for(sender, header)
-        await self.audits.on_audit(group, header, writer)
 
 
 class _Behind(Exception):

@@ -158,3 +158,24 @@ class OuterConfig:
         require(self.land_step >= 0, "outer.land_step", f"must be >= 0 (got {self.land_step})")
         require(0.0 <= self.momentum < 1.0, "outer.momentum", f"must be in [0, 1) (got {self.momentum})")
         require(self.overlap in OVERLAP_MODES, "outer.overlap", f"must be one of {', '.join(OVERLAP_MODES)} (got {self.overlap!r})")
+
+
+PARALLEL_MODES = ("fsdp", "ddp")
+
+
+@dataclass(kw_only=True, slots=True)
+class HostConfig:
+    # Local ranks this host trains on (torch.distributed.run; one per GPU, or CPU processes
+    # over gloo). 1 = the node trains in its own process. Every host of a run uses the same
+    # layout (the run's fingerprint covers it): rank k of every host syncs the same shard.
+    nproc_per_node: int = 1
+    # How the ranks share the model: fsdp = FSDP2 fully_shard (each rank holds 1/N of the
+    # parameters, the inner optimizer state and the outer state); ddp = DDP, every rank a whole
+    # replica (models that fit one device), each rank still syncing only 1/N of the parameters.
+    parallel: str = "fsdp"
+
+    def __post_init__(self) -> None:
+        require(1 <= self.nproc_per_node <= 1024, "host.nproc_per_node",
+                f"must be between 1 and 1024 (got {self.nproc_per_node})")
+        require(self.parallel in PARALLEL_MODES, "host.parallel",
+                f"must be one of {', '.join(PARALLEL_MODES)} (got {self.parallel!r})")

@@ -23,6 +23,7 @@ from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
 from trainer.model import LoadedModel, load_model, lm_loss
 from trainer.outer import OuterOptimizer
+from trainer.parallel import Ranks, local_tensors, shard_model
 from trainer.schedule import inner_lr
 
 # outer.land_step: how often a step waiting for the round in flight checks whether to stop.
@@ -80,9 +81,14 @@ class DiLoCoWorker:
         seed: int,
         device: str = "cpu",
         loaded: LoadedModel | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
+        """``ranks``: this process is one of a multi-rank host's ranks (trainer/parallel.py): the
+        model is sharded over them, and θ, the momentum and the pseudo-gradient are this rank's
+        shards only."""
         self.model_cfg, self.data_cfg, self.inner_cfg = model, data, inner
-        self.device = torch.device(device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else torch.device(device)
         # Same seed (or the same pretrained weights) on every peer: the swarm starts from one θ
         # with no download. ``loaded`` lets a caller that already built the model hand it over.
         self.loaded = loaded if loaded is not None else load_model(model, seed)
@@ -91,9 +97,12 @@ class DiLoCoWorker:
             raise ValueError(f"data.seq_len: {self.seq_len} exceeds the context of {model.source} "
                              f"({self.loaded.context} positions)")
         _check_vocab(corpus, self.loaded)
-        self.model = self.loaded.module.to(self.device)
-        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model.parameters()]
         self.precision = inner.precision if inner.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        if ranks is None:
+            self.model = self.loaded.module.to(self.device)
+        else:
+            self.model = shard_model(self.loaded.module, ranks, self.precision)
+        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._local()]
         if self.device.type == "cuda" and self.precision == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: fp32 range, tensor-core speed
             torch.backends.cudnn.allow_tf32 = True
@@ -126,7 +135,8 @@ class DiLoCoWorker:
         self._settled.set()
         self.sampler = ShardSampler(
             corpus,
-            shard_key=shard_key,
+            # Every rank of a host draws its own batches from the host's shard.
+            shard_key=shard_key if ranks is None or ranks.world == 1 else f"{shard_key}/rank{ranks.rank}",
             seed=seed,
             batch_size=data.batch_size,
             seq_len=self.seq_len,
@@ -139,19 +149,34 @@ class DiLoCoWorker:
         # θ before any step or download: part of the run's fingerprint.
         self.init_hash = self.params_hash()
 
-    def fingerprint(self, codec: str, rounds: str = "") -> Fingerprint:
-        """What every peer of this run must share (trainer/fingerprint.py)."""
+    def fingerprint(self, codec: str, rounds: str = "", init_hash: str = "") -> Fingerprint:
+        """What every peer of this run must share (trainer/fingerprint.py). ``init_hash``: the
+        whole host's initial θ, when this worker is one rank of it."""
+        sharded = self.ranks is not None and self.ranks.world > 1
         return run_fingerprint(
-            model_config=self.loaded.config, init_hash=self.init_hash,
+            model_config=self.loaded.config, init_hash=init_hash or self.init_hash,
             tokenizer=getattr(self._corpus, "tokenizer_sha256", None) or "bytes",
             data=self.sampler.split_digest(), seq_len=self.seq_len, codec=codec,
             outer_lr=self.outer_cfg.lr, outer_momentum=self.outer_cfg.momentum, nesterov=self.outer_cfg.nesterov,
-            rounds=rounds)
+            rounds=rounds, layout=self.ranks.layout if sharded else "")
 
     # -- inner loop -------------------------------------------------------
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one inner step trains on, over every rank of the host."""
+        return self.data_cfg.batch_size * self.seq_len * (self.ranks.world if self.ranks is not None else 1)
+
+    def _local(self) -> list[torch.Tensor]:
+        """The local copy's tensors θ pairs with: the whole parameters, or this rank's shards."""
+        return local_tensors(self.model.parameters())
+
     def inner_steps(self, n: int, should_stop: Callable[[], bool] | None = None) -> InnerStats:
-        """Up to ``n`` AdamW steps on this worker's shard; blocking."""
+        """Up to ``n`` AdamW steps on this worker's shard; blocking. On a multi-rank host every
+        rank takes the same steps: one that is told to stop stops them all at the next step."""
+        if self.ranks is not None and self.ranks.world > 1:
+            asked = should_stop
+            should_stop = lambda: self.ranks.any(asked is not None and asked())  # noqa: E731
         start = time.perf_counter()
         self.model.train()
         # Losses add up on the device and are read once: no host sync per step.
@@ -189,7 +214,7 @@ class DiLoCoWorker:
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
-        if self.precision == "bf16":
+        if self.precision == "bf16" and self.ranks is None:  # sharded: FSDP's policy casts
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 return lm_loss(self.model, x, y)
         return lm_loss(self.model, x, y)
@@ -200,7 +225,7 @@ class DiLoCoWorker:
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """Δ = start − θ_local, fp32 on CPU; the start is θ unless rounds overlap."""
         self._rebase_if_due()
-        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self._start(), self.model.parameters())]
+        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self._start(), self._local())]
 
     def _wait_settled(self, should_stop: Callable[[], bool] | None) -> bool:
         """outer.land_step: wait for the round in flight to commit (or give up); False if told to stop."""
@@ -237,7 +262,7 @@ class DiLoCoWorker:
         if not self._rebase_due:
             return
         with self._lock:
-            for p, o, g in zip(self.model.parameters(), self._start(), self.global_params):
+            for p, o, g in zip(self._local(), self._start(), self.global_params):
                 p.add_((g - o).to(p.device, p.dtype))
             self.origin = [g.clone() for g in self.global_params]
             self._rebase_due = False
@@ -248,7 +273,7 @@ class DiLoCoWorker:
         self.origin = None
         self._rebase_due = False
         self._settled.set()
-        for g, p in zip(self.global_params, self.model.parameters()):
+        for g, p in zip(self.global_params, self._local()):
             p.copy_(g)
 
     @torch.no_grad()
@@ -269,7 +294,7 @@ class DiLoCoWorker:
         else:
             start = self.outer_opt.preview(own_delta)
         with self._lock:
-            for s, p in zip(start, self.model.parameters()):
+            for s, p in zip(start, self._local()):
                 p.copy_(s)
             self.origin = start
             self._rebase_due = False
@@ -315,7 +340,7 @@ class DiLoCoWorker:
         """Mean loss of θ (not the local copy) on the held-out batches."""
         if self._eval_batches is None:
             self._eval_batches = self.sampler.eval_batches(self.data_cfg.eval_batches)
-        params = list(self.model.parameters())
+        params = self._local()
         saved = [p.detach().clone() for p in params]
         was_training = self.model.training
         for g, p in zip(self.global_params, params):
@@ -355,7 +380,7 @@ class DiLoCoWorker:
             "inner_step": self.inner_step,
             "global_params": [g.clone() for g in self.global_params],
             "outer": self.outer_opt.state_dict(),
-            "local_params": [p.detach().to("cpu", copy=True) for p in self.model.parameters()],
+            "local_params": [p.detach().to("cpu", copy=True) for p in self._local()],
             "inner_opt": self.inner_opt.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
@@ -386,7 +411,7 @@ class DiLoCoWorker:
         self.sampler.load_state_dict(d.get("sampler"))
         for g, t in zip(self.global_params, d["global_params"]):
             g.copy_(t)
-        for p, t in zip(self.model.parameters(), d["local_params"]):
+        for p, t in zip(self._local(), d["local_params"]):
             p.copy_(t)
         torch.set_rng_state(d["rng_cpu"])
         if "rng_cuda" in d and self.device.type == "cuda":

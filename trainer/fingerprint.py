@@ -35,6 +35,7 @@ PART_NAMES = {
     "codec": "codec",
     "outer": "outer settings",
     "rounds": "round rules (aggregator, weight cap)",
+    "layout": "host shard layout (host.nproc_per_node, host.parallel)",
 }
 MAX_PART_CHARS = 64
 
@@ -83,7 +84,8 @@ class Fingerprint:
 
 
 def run_fingerprint(*, model_config: dict, init_hash: str, tokenizer: str, data: str, seq_len: int, codec: str,
-                    outer_lr: float, outer_momentum: float, nesterov: bool, rounds: str = "") -> Fingerprint:
+                    outer_lr: float, outer_momentum: float, nesterov: bool, rounds: str = "",
+                    layout: str = "") -> Fingerprint:
     """The fingerprint of a run from its parts (each already a digest or a short value)."""
     parts = {
         "protocol": str(PROTOCOL_VERSION),
@@ -97,6 +99,8 @@ def run_fingerprint(*, model_config: dict, init_hash: str, tokenizer: str, data:
     }
     if rounds:  # how owners combine and cap contributions: every auditor must recompute the same
         parts["rounds"] = rounds[:MAX_PART_CHARS]
+    if layout:  # a multi-rank host's shards (trainer/parallel.py): rank k syncs with rank k of every host
+        parts["layout"] = layout[:MAX_PART_CHARS]
     return Fingerprint(parts)
 
 

@@ -24,7 +24,8 @@ def test_each_part_changes_the_digest_and_is_named():
     assert mine.digest == parts().digest and mine.difference(parts().parts) == "same parts, another digest"
     changes = {"model": dict(model_config={"model_type": "llama", "hidden_size": 32}), "init": dict(init_hash="ef" * 16),
                "tokenizer": dict(tokenizer="0123" * 16), "data": dict(data="ee" * 8), "seq_len": dict(seq_len=128),
-               "codec": dict(codec="int4"), "outer": dict(outer_lr=0.5), "rounds": dict(rounds="agg=mean,cap=relative")}
+               "codec": dict(codec="int4"), "outer": dict(outer_lr=0.5), "rounds": dict(rounds="agg=mean,cap=relative"),
+               "layout": dict(layout="fsdpx2")}
     assert set(changes) == set(PART_NAMES) - {"protocol"}
     for part, change in changes.items():
         other = parts(**change)

@@ -308,7 +308,7 @@ async def test_an_abort_of_an_attempt_that_ended_is_answered_at_once():
     try:
         (a, ra, ma), (_, rb, _) = peers
         gid = b"\x01" * 16
-        ra._ended[gid] = True
+        ra.plane._ended[gid] = True
         _, reader, writer = await rb._open(a.peer_id, "vote")
         await write_frame(writer, {"g": gid, "abort": "timeout"})
         from p2p.wire import read_frame

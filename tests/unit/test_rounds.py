@@ -245,7 +245,7 @@ async def test_the_next_round_reuses_its_buffers_and_leaves_the_last_result_alon
         kept = results[0][0].clone()
 
         def held(r):  # every vector the protocol keeps from round to round
-            ptrs = {name: buf.data_ptr() for name, buf in r._buffers.items()}
+            ptrs = {name: buf.data_ptr() for name, buf in r.plane._buffers.items()}
             if r.feedback is not None:
                 ptrs["feedback"] = r.feedback.residual.data_ptr()
             return ptrs

@@ -1,0 +1,274 @@
+"""Ranks 1..N-1 of a multi-rank host: a shard of the model, trained and reduced as rank 0 says.
+
+A follower has no identity, swarm, control socket or metrics endpoint of its own: the host is
+one peer, and rank 0 (node/ranks.py) is its voice. It connects to rank 0's socket, builds its
+worker (FSDP2 shard) once rank 0 says which peer it is, then serves its shard's all-reduce
+requests through the host's ``p2pd`` (``P2P.replicate``: the same peer id, its own request
+names, p2p/shard.py) and answers rank 0's requests one phase at a time.
+
+It ignores SIGINT and SIGTERM: a stop is rank 0's to decide (its final checkpoint needs
+every rank), and the launcher's signal reaches rank 0 too. It exits when rank 0 says stop,
+and when rank 0's link closes (rank 0 died: nothing here can go on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from node.config import Config
+from node.ranks import MAX_MESSAGE_BYTES, SOCKET_ENV
+from p2p.wire import WireError, close_writer, read_frame, write_frame
+
+log = logging.getLogger("gonka.node")
+
+CONNECT_SECONDS = 120.0  # rank 0 imports, starts p2pd and its swarm first
+
+
+def run_follower(config: Config) -> int:
+    import uvloop
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        return uvloop.run(RankFollower(config).run())
+    except Exception as e:
+        log.error("rank %s: %s", os.environ.get("RANK"), e)
+        return 1
+
+
+class RankFollower:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.rank = int(os.environ["RANK"])
+        self.worker = None
+        self.compute = None
+        self.p2p = None
+        self.plane = None
+        self.delta = None  # this round's pseudo-gradient of our shard
+        self.flat = None  # ... flattened, error feedback added: what our groups reduce
+        self.averaged = None  # the committed round's average of our shard, until the outer step
+        self.tasks: dict[bytes, asyncio.Task] = {}  # group id -> its reduce
+        self.groups: dict[bytes, object] = {}
+
+    async def run(self) -> int:
+        from node.compute import ComputeThread
+
+        cfg = self.config
+        reader, writer = await self._connect()
+        await write_frame(writer, {"rank": self.rank})
+        self.compute = ComputeThread(cfg.node.threads or torch.get_num_threads())
+        torch.set_num_threads(1)
+        await self.compute.start()
+        code = 0
+        try:
+            while True:
+                header, _ = await read_frame(reader, None, max_header=MAX_MESSAGE_BYTES, max_payload=0)
+                op = header.get("op")
+                if op == "stop":
+                    break
+                asyncio.ensure_future(self._answer(writer, header))
+        except (WireError, ConnectionError, OSError, asyncio.IncompleteReadError, EOFError):
+            log.error("rank %d: rank 0 is gone; stopping", self.rank)
+            code = 1
+        finally:
+            for task in self.tasks.values():
+                task.cancel()
+            if self.p2p is not None:
+                await self.p2p.shutdown()
+            await asyncio.to_thread(self.compute.close)
+            await close_writer(writer)
+        return code
+
+    async def _connect(self):
+        path = os.environ[SOCKET_ENV]
+        deadline = time.monotonic() + CONNECT_SECONDS
+        while True:
+            try:
+                return await asyncio.open_unix_connection(path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank 0's socket {path} did not open within {CONNECT_SECONDS:.0f}s")
+                await asyncio.sleep(0.1)
+
+    async def _answer(self, writer, header: dict) -> None:
+        op, rid = header.get("op"), header.get("id")
+        try:
+            handler = getattr(self, f"_op_{op}", None)
+            if handler is None:
+                raise RuntimeError(f"unknown request {op!r}")
+            answer = await handler(header) or {}
+        except Exception as e:
+            log.exception("rank %d: %s failed", self.rank, op)
+            answer = {"error": f"{e.__class__.__name__}: {e}"[:500]}
+        try:
+            await write_frame(writer, {"id": rid, **answer})
+        except (ConnectionError, OSError):
+            pass
+
+    # ---- start-up ------------------------------------------------------------------
+
+    async def _op_setup(self, h: dict) -> dict:
+        """Build this rank's worker for the host ``peer``; answer with its shard's hashes."""
+        from trainer.data import open_source
+        from trainer.diloco import DiLoCoWorker
+        from trainer.parallel import init_ranks
+
+        cfg = self.config
+        corpus = await asyncio.to_thread(open_source, cfg.data.paths, verify=False)
+        ranks = init_ranks(cfg.host.parallel, h["device"])
+        self.worker = await self.compute(
+            lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
+                                 shard_key=h["peer"], seed=cfg.node.seed, ranks=ranks))
+        return {"init_hash": self.worker.init_hash, "hash": self.worker.params_hash()}
+
+    async def _op_serve(self, h: dict) -> dict:
+        """Serve our shard's requests under the run's scope through the host's p2pd."""
+        from hivemind.p2p import P2P
+        from p2p._multiaddr import Multiaddr
+        from p2p.codecs import get_codec
+        from p2p.deadline import DeadlinePolicy
+        from p2p.limits import StreamLimits
+        from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, guarded, shard_names
+
+        cfg = self.config.swarm
+        self.p2p = await P2P.replicate(Multiaddr(h["maddr"]))
+        metrics = _Counts()
+        dial = Dialer(self.p2p, shard_names(h["scope"], DATA_REQUESTS, self.rank), cfg.request_timeout, metrics)
+        codec = get_codec(cfg.codec)
+        deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
+
+        def reject(reason: str, detail: str = "") -> None:
+            metrics.rejected[reason] = metrics.rejected.get(reason, 0) + 1
+            log.info("rank %d: rejected %s %s", self.rank, reason, detail[:120])
+
+        self.plane = ShardPlane(me=h["peer"], codec=codec, use_feedback=cfg.error_feedback and codec.name != "fp32",
+                                aggregator=cfg.aggregator, weight_cap=float(h["cap"]), hostile=_honest(), dial=dial,
+                                metrics=metrics, reject=reject, offence=lambda peer, reason: None,
+                                deadlines=deadlines, request_timeout=cfg.request_timeout)
+        streams = StreamLimits(cfg.max_streams_per_peer)
+
+        async def anyone(_peer: str) -> bool:  # membership is checked per group (ShardPlane.group_for)
+            return True
+
+        await self.plane.start(self.p2p, lambda handler: guarded(
+            handler, streams=streams, admits=anyone, reject=reject, on_flood=lambda peer: None,
+            limit=deadlines.ceiling + 3 * cfg.request_timeout, request_timeout=cfg.request_timeout))
+        kernels = getattr(codec, "kernels", None)
+        if kernels is not None:
+            await asyncio.to_thread(kernels)
+        return {}
+
+    # ---- training ------------------------------------------------------------------------
+
+    async def _op_inner_steps(self, h: dict) -> dict:
+        stats = await self.compute(self.worker.inner_steps, int(h["n"]), None)
+        loss_sum = stats.mean_loss * stats.steps if stats.steps else 0.0
+        return {"steps": stats.steps, "tokens": stats.tokens, "loss_sum": loss_sum, "seconds": stats.seconds}
+
+    async def _op_eval_loss(self, h: dict) -> dict:
+        return {"loss": await self.compute(self.worker.eval_loss)}
+
+    async def _op_pseudo_gradient(self, h: dict) -> dict:
+        from p2p.compression import flatten
+
+        self.delta = await self.compute(self.worker.pseudo_gradient)
+        numel = sum(t.numel() for t in self.delta)
+        feedback = self.plane.ensure_feedback(numel)
+        self.flat = await self.compute(flatten, self.delta, self.plane.buffer("flat", numel),
+                                       feedback.residual if feedback is not None else None)
+        return {}
+
+    async def _op_reduce(self, h: dict) -> dict:
+        """Our shard in the group rank 0 formed: its digest, or why it failed."""
+        from p2p.group import RoundFailed
+
+        gid = h["g"]
+        group = self.plane.new_group(gid, int(h["r"]), list(h["members"]), self.flat, float(h["w"]))
+        self.plane.install(group)
+        self.groups[gid] = group
+        deadline = asyncio.get_running_loop().time() + float(h["t"])
+        task = self.tasks[gid] = asyncio.ensure_future(self.plane.reduce(group, deadline))
+        try:
+            digest = await task
+        except RoundFailed as e:
+            return {"ok": False, "reason": e.reason, "detail": str(e)[:200]}
+        except asyncio.CancelledError:
+            return {"ok": False, "reason": "aborted"}
+        finally:
+            self.tasks.pop(gid, None)
+        return {"ok": True, "digest": digest}
+
+    async def _op_end(self, h: dict) -> dict:
+        from p2p.compression import unflatten
+
+        gid = h["g"]
+        group = self.groups.pop(gid, None)
+        task = self.tasks.pop(gid, None)
+        if task is not None:
+            task.cancel()
+        if group is None:
+            return {}
+        self.plane.leave(group)
+        if h.get("commit"):
+            self.plane.committed(group)
+            self.averaged = unflatten(group.result, self.delta, copy=False)
+        return {}
+
+    async def _op_apply_outer(self, h: dict) -> dict:
+        if self.averaged is None:
+            raise RuntimeError("no committed average to apply")
+        averaged, self.averaged = self.averaged, None
+        await self.compute(self.worker.apply_outer, averaged)
+        return {"hash": await self.compute(self.worker.params_hash)}
+
+    async def _op_reset_local(self, h: dict) -> dict:
+        await self.compute(self.worker.reset_local)
+        return {}
+
+
+class _Counts:
+    """What the shard plane counts, on a rank without a metrics endpoint of its own."""
+
+    class _Counter:
+        def __init__(self) -> None:
+            self.value = 0.0
+
+        def inc(self, amount: float = 1.0) -> None:
+            self.value += amount
+
+        def labels(self, **_):
+            return self
+
+        def observe(self, _value: float) -> None:
+            pass
+
+    def __init__(self) -> None:
+        self.rejected: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        counter = _Counts._Counter()
+        setattr(self, name, counter)
+        return counter
+
+
+def _honest():
+    from p2p.hostile import HONEST
+
+    return HONEST
+
+
+def main_rank(config: Config) -> int:
+    """The entry of one rank under the launcher: rank 0 is the node, the others follow it."""
+    if int(os.environ["RANK"]) == 0:
+        from node.daemon import run_node
+
+        return run_node(config)
+    print(end="", file=sys.stderr)
+    return run_follower(config)

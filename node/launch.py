@@ -1,0 +1,86 @@
+"""`gonka-node start --nproc-per-node N`: one host, N ranks under torch.distributed.run.
+
+This process becomes the host's elastic agent (``torch.distributed.launcher``, what
+``torchrun --standalone`` runs): it rendezvouses the ranks on loopback, starts them, watches
+them, and stops them all when one dies. Every rank runs ``gonka-node start`` again with the
+same arguments; rank 0 is the node (node/daemon.py), the others follow it (node/follower.py)
+over a socket in a private directory made here. Each rank asks the kernel to kill it when the
+agent dies, so nothing outlives the host, also after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+
+from node.config import Config
+from node.ranks import SOCKET_ENV
+
+log = logging.getLogger("gonka.node")
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+def check_host(config: Config) -> None:
+    """Bad host settings, found before any rank starts (ValueError naming the key: exit 2)."""
+    import torch
+
+    n = config.host.nproc_per_node
+    device = config.node.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        gpus = torch.cuda.device_count()
+        if n > gpus:
+            raise ValueError(f"host.nproc_per_node: {n} ranks, but this host has {gpus} CUDA device"
+                             f"{'' if gpus == 1 else 's'} (one rank per GPU)")
+        if ":" in device:
+            raise ValueError(f"node.device: {device} names one GPU; with host.nproc_per_node = {n} every rank "
+                             f"takes its own (use cuda or auto)")
+    elif n > (os.cpu_count() or 1):
+        raise ValueError(f"host.nproc_per_node: {n} CPU ranks, but this host has {os.cpu_count()} cores")
+    if config.host.parallel != "fsdp":
+        raise ValueError(f"host.parallel: {config.host.parallel} is not available with host.nproc_per_node > 1 "
+                         f"in this version (use fsdp)")
+    if config.outer.overlap != "off":
+        raise ValueError(f"outer.overlap: {config.outer.overlap} is not available with host.nproc_per_node > 1 "
+                         f"in this version (use off)")
+
+
+def launch_host(config: Config, argv: list[str]) -> int:
+    """Run the host's ranks until they stop; the node's exit code (2 for bad input)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from p2p.swarm import _dying_with_us
+
+    n = config.host.nproc_per_node
+    # The agent's own log lines would repeat each rank's error and a page of context.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    private = tempfile.mkdtemp(prefix="gonka-host-")  # 0700: only this user reaches the ranks' socket
+    os.environ[SOCKET_ENV] = os.path.join(private, "ranks.sock")
+    # Cores shared among CPU ranks; a GPU rank needs a few for its input and the swarm.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"gonka-{uuid.uuid4().hex[:12]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2)
+    rank_cmd = _dying_with_us(sys.executable, "-m", "node.cli", *argv)
+    try:
+        elastic_launch(launch, entrypoint=rank_cmd[0])(*rank_cmd[1:])
+        return EXIT_OK
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if codes.get(0) == EXIT_USAGE:
+            return EXIT_USAGE  # rank 0 said why, in one line
+        first = min(codes)
+        print(f"gonka-node: error: rank {first} of this host exited with code {codes[first]}; "
+              f"the host's ranks were stopped", file=sys.stderr, flush=True)
+        return EXIT_RUNTIME
+    except SignalException:
+        return EXIT_OK  # stopped by SIGTERM/SIGINT: rank 0 took its final checkpoint
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

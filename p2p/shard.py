@@ -1,0 +1,274 @@
+"""One shard's data plane of a round: the group's all-reduce and audit of one vector.
+
+A single-process host has one shard, its whole pseudo-gradient, and ``RoundProtocol``
+(rounds.py) runs its plane next to the control plane (gather, begin, vote, certificates).
+A multi-rank host (trainer/parallel.py) has one shard per rank: rank k runs the plane of
+its shard in its own process, through the host's ``p2pd`` (same peer id), under request
+names of its own (``...part.s{k}``), so the shards of all ranks travel in parallel and
+rank k of a host only ever talks to rank k of the others. The control plane on rank 0
+tells each rank which group to reduce (node/ranks.py), and the members vote on one digest
+of all the shards' digests: a round commits for every shard or for none.
+
+Everything here is per shard and knows nothing of the swarm beyond a way to open streams
+(``Dialer``) and a way to count what it rejects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from p2p.audit import PartAudit
+from p2p.codecs import ErrorFeedback
+from p2p.exchange import PartExchange, all_or_fail
+from p2p.group import Group, RoundFailed
+from p2p.limits import BoundedDict, handler_deadline
+from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
+                      reply, write_frame)
+
+log = logging.getLogger(__name__)
+
+DATA_REQUESTS = ("part", "audit", "evidence")
+
+
+def combined_digest(shard_digests: list[bytes]) -> bytes:
+    """What a multi-rank host votes: one digest over its shards' digests, in rank order."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)  # a vote's size (Group.add_vote)
+    for d in shard_digests:
+        h.update(len(d).to_bytes(2, "big") + d)
+    return h.digest()
+
+
+def shard_names(scope: str, requests, shard: int | None) -> dict[str, str]:
+    """libp2p protocol names of ``requests``; a rank's shard has its own (``None``: rank 0's)."""
+    suffix = "" if not shard else f".s{shard}"
+    return {k: f"gonka.{scope}.{k}{suffix}" for k in requests}
+
+
+class Dialer:
+    """Requests out by name over one p2p handle: open a stream, send a frame, call and read."""
+
+    def __init__(self, p2p, names: dict[str, str], request_timeout: float, metrics,
+                 connect_to: Callable | None = None) -> None:
+        """``connect_to(peer)``: dial a peer from its signed heartbeat's addresses (rank 0 only;
+        another rank reuses the connections of the host's p2pd)."""
+        self.p2p = p2p
+        self.names = names
+        self.request_timeout = request_timeout
+        self.metrics = metrics
+        self.connect_to = connect_to
+
+    async def open(self, peer: str, name: str):
+        from p2p.swarm import peer_id_from
+
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                try:
+                    info, reader, writer = await self.p2p.call_binary_stream_handler(peer_id_from(peer),
+                                                                                      self.names[name])
+                except Exception:
+                    # p2pd may not know its addresses yet (we met it only through the DHT): dial the
+                    # ones its own signed heartbeat gives, then try once more.
+                    if self.connect_to is None or not await self.connect_to(peer):
+                        raise
+                    info, reader, writer = await self.p2p.call_binary_stream_handler(peer_id_from(peer),
+                                                                                      self.names[name])
+                return info, FrameReader.attach(reader, writer), writer
+        except TimeoutError:
+            raise RoundFailed("unreachable", peer[-8:]) from None
+        except Exception as e:
+            raise RoundFailed("unreachable", f"{peer[-8:]}: {e!r}"[:200]) from None
+
+    async def send(self, peer: str, name: str, header: dict, payload: bytes) -> None:
+        """A header, then one frame of payload; waits for the answer (or the request timeout)."""
+        _, reader, writer = await self.open(peer, name)
+        try:
+            self.metrics.sent_bytes.inc(await write_frame(writer, header))
+            self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload))
+            await read_frame(reader, self.request_timeout)
+        finally:
+            await close_writer(writer)
+
+    async def call(self, peer: str, name: str, header: dict, timeout: float | None = None, max_payload: int = 0):
+        _, reader, writer = await self.open(peer, name)
+        try:
+            self.metrics.sent_bytes.inc(await write_frame(writer, header))
+            return await read_frame(reader, timeout or self.request_timeout, max_payload=max_payload)
+        finally:
+            await close_writer(writer)
+
+
+def guarded(handler, *, streams, admits, reject, on_flood, limit: float, request_timeout: float,
+            max_header: int | None = SMALL_HEADER_BYTES):
+    """Wrap a stream handler: only admitted peers, a bounded number of streams per peer, one
+    deadline (``limit``) for the whole exchange; count and drop anything malformed, always close
+    the stream."""
+
+    async def run(info, reader, writer):
+        sender = info.peer_id.to_base58()
+        if not streams.acquire(sender):
+            reject("stream_flood", sender[-8:])
+            on_flood(sender)
+            await close_writer(writer)
+            return
+        try:
+            if not await admits(sender):
+                return  # counted as not_admitted
+            async with handler_deadline(limit):
+                reader = FrameReader.attach(reader, writer)
+                header, _ = await read_frame(reader, request_timeout, max_payload=0,
+                                             **({} if max_header is None else {"max_header": max_header}))
+                await handler(sender, header, reader, writer)
+                await linger(reader, request_timeout)
+        except WireError as e:
+            reject(e.reason, str(e))
+        except RoundFailed as e:
+            reject(e.reason, str(e))
+            await reply(writer, {"ok": False, "reason": e.reason})
+        except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            pass  # the node is shutting down: the stream goes with it
+        except Exception as e:  # never let a peer crash the node
+            log.exception("handler failed")
+            reject("handler_error", repr(e))
+        finally:
+            streams.release(sender)
+            await close_writer(writer)
+
+    return run
+
+
+class ShardPlane:
+    """The groups of one shard: its round buffers, error feedback, the current group, and the
+    requests of its all-reduce and audit (in and out)."""
+
+    def __init__(self, *, me: str, codec, use_feedback: bool, aggregator: str, weight_cap: float, hostile,
+                 dial: Dialer, metrics, reject, offence, deadlines, request_timeout: float) -> None:
+        self.me = me
+        self.codec = codec
+        self.use_feedback = use_feedback
+        self.aggregator = aggregator
+        self.weight_cap = weight_cap
+        self.hostile = hostile
+        self.dial = dial
+        self.metrics = metrics
+        self.reject = reject
+        self.deadlines = deadlines
+        self.request_timeout = request_timeout
+        # What the codec dropped from our contributions, added back next round (lossy codecs only).
+        self.feedback: ErrorFeedback | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.group: Group | None = None
+        self._group_set = asyncio.Event()
+        self._ended: BoundedDict = BoundedDict(64)  # ids of our recent groups, over now
+        self.exchange = PartExchange(dial.open, metrics, reject, deadlines)
+        # Every member checks a sampled piece of another's part before it votes (p2p/audit.py).
+        self.audits = PartAudit(codec, metrics, dial.call, dial.send, reject, offence, request_timeout)
+
+    async def start(self, p2p, guard) -> None:
+        """Serve this shard's requests; ``guard(handler)`` wraps each (``guarded``)."""
+        await p2p.add_binary_stream_handler(self.dial.names["part"], guard(self._on_part))
+        await p2p.add_binary_stream_handler(self.dial.names["audit"], guard(self._on_audit))
+        await p2p.add_binary_stream_handler(self.dial.names["evidence"], guard(self._on_evidence))
+
+    # ---- buffers -------------------------------------------------------------------
+
+    def buffer(self, name: str, numel: int) -> torch.Tensor:
+        """A vector of ``numel`` fp32 values kept from round to round: the round's copy of the
+        pseudo-gradient (``flat``), what its receivers decode of our part (``sent``) and, with
+        error feedback, the next residual (``residual``: on commit it swaps with the current one).
+
+        A fresh vector costs a page fault per 4 KB the first time each page is written (~25K per
+        100 MB; on two shared cores a 25M-value round spent ~0.2 s of system time on them).
+        Rounds on one peer are sequential, so one buffer of each is enough: the tensor work of
+        an attempt that ended runs on the same single worker thread as the next round's (first
+        the flatten), in submission order, and a failed attempt's leftovers never reach a result.
+        """
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != numel:
+            buf = self._buffers[name] = torch.empty(numel, dtype=torch.float32)
+        return buf
+
+    def ensure_feedback(self, numel: int) -> ErrorFeedback | None:
+        """The error-feedback residual for vectors of ``numel`` values (None if not used)."""
+        if self.use_feedback and self.feedback is None:
+            self.feedback = ErrorFeedback(numel)
+        return self.feedback
+
+    def committed(self, group: Group) -> None:
+        """The group's round committed: its residual is the one the next round adds back."""
+        if self.feedback is not None:  # only a committed round consumes the residual; the old one's buffer is next
+            self._buffers["residual"] = self.feedback.adopt(group.residual)
+
+    # ---- groups --------------------------------------------------------------------
+
+    def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float) -> Group:
+        numel = flat.numel()
+        sent = None if self.codec.exact else self.buffer("sent", numel)
+        residual = self.buffer("residual", numel) if self.use_feedback else None
+        return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
+                     aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)
+
+    def install(self, group: Group) -> None:
+        self.group = group
+        self._group_set.set()
+
+    def leave(self, group: Group) -> None:
+        """The attempt is over: requests naming it are answered at once from now on."""
+        self._ended[group.id] = True
+        if self.group is group:
+            self.group = None
+
+    def ended(self, gid: bytes) -> bool:
+        return gid in self._ended
+
+    async def reduce(self, group: Group, deadline: float) -> bytes:
+        """The all-reduce of this shard and this member's audit of it; returns the shard's digest.
+        A member votes only once its own audit is clean: all votes in and equal means every
+        sampled piece was recomputed and matched, and nobody applies anything otherwise. The
+        audit starts once the part it samples is in, while the other parts still land."""
+        others = [p for p in group.members if p != group.me]
+        await all_or_fail([asyncio.ensure_future(self.exchange.run(group, deadline)),
+                           asyncio.ensure_future(self.audits.check_when_placed(group, others, deadline))], group)
+        return group.digest()
+
+    async def group_for(self, sender: str, header: dict) -> tuple[Group, int]:
+        """The current group named by the header, with the sender's index; refuse strangers."""
+        gid = hfield(header, "g", bytes)
+        deadline = time.monotonic() + self.request_timeout
+        while self.group is None or self.group.id != gid:
+            # A member may hear from another member before its own group is installed.
+            if gid in self._ended or time.monotonic() > deadline:
+                raise RoundFailed("unknown_group")
+            self._group_set.clear()
+            try:
+                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
+                    await self._group_set.wait()
+            except TimeoutError:
+                pass
+        group = self.group
+        index = group.member_index(sender)
+        if index is None:
+            raise RoundFailed("not_a_member")
+        return group, index
+
+    # ---- requests in -----------------------------------------------------------------
+
+    async def _on_part(self, sender: str, header: dict, reader, writer) -> None:
+        group, index = await self.group_for(sender, header)
+        await self.exchange.serve(group, index, header, reader, writer)
+
+    async def _on_evidence(self, sender: str, header: dict, reader, writer) -> None:
+        group, _ = await self.group_for(sender, header)
+        await self.audits.on_evidence(group, sender, header, reader, writer)
+
+    async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:
+        group, _ = await self.group_for(sender, header)
+        await self.audits.on_audit(group, header, writer)
