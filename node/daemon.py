@@ -85,6 +85,7 @@ class Node:
         self.corpus = None
         self.compute = None
         self.ranks = None  # rank 0 of a multi-rank host: the link to the others (node/ranks.py)
+        self._checkpoint_seq = 0  # a multi-rank host's checkpoints are numbered (trainer/checkpoint.py)
         # A problem found while training (e.g. a corrupt shard): the node stops with exit code 1.
         self._failure: str | None = None
 
@@ -189,8 +190,6 @@ class Node:
         from p2p.rounds import RoundProtocol
         from p2p.swarm import Swarm
         from p2p.transfer import StateServer
-        from trainer.checkpoint import load_checkpoint
-
         cfg = self.config
         tune_malloc()
         # The trainer's thread gets the intra-op threads; every other thread one (node/compute.py).
@@ -203,7 +202,7 @@ class Node:
         from trainer.data import open_source
 
         self.corpus = corpus = await asyncio.to_thread(open_source, cfg.data.paths, verify=cfg.data.verify == "start")
-        checkpoint = await asyncio.to_thread(load_checkpoint, cfg.node.checkpoint_dir) if cfg.node.checkpoint_dir else None
+        checkpoint = await asyncio.to_thread(self._load_checkpoint) if cfg.node.checkpoint_dir else None
         if checkpoint is not None and checkpoint.get("run_id") != cfg.node.run_id:
             raise UsageError(f"node.checkpoint_dir: holds run {checkpoint.get('run_id')!r}, not {cfg.node.run_id!r}")
         identity = cfg.node.identity or None
@@ -280,6 +279,20 @@ class Node:
         await rounds.start()
         await server.start()
 
+    def _load_checkpoint(self) -> dict | None:
+        """The checkpoint to resume from: the host's (rank 0's part of it, every part checked
+        present and of one round) or the single process's."""
+        from trainer.checkpoint import host_checkpoint, load_checkpoint, load_host_part
+
+        cfg = self.config
+        world = cfg.host.nproc_per_node
+        if world == 1:
+            return load_checkpoint(cfg.node.checkpoint_dir)
+        pointer = host_checkpoint(cfg.node.checkpoint_dir, world)
+        if pointer is not None:
+            self._checkpoint_seq = pointer["seq"]
+        return load_host_part(cfg.node.checkpoint_dir, 0, world)
+
     async def _start_worker(self, corpus, device: str):
         """This host's worker: the model in this process, or (a multi-rank host) rank 0's shard of
         it with the other ranks' behind it (node/ranks.py)."""
@@ -293,7 +306,8 @@ class Node:
         from node.ranks import SOCKET_ENV, HostRanks, HostWorker
         from trainer.parallel import init_ranks
 
-        self.ranks = HostRanks(os.environ[SOCKET_ENV], cfg.host.nproc_per_node, on_lost=self._rank_lost)
+        self.ranks = HostRanks(os.environ[SOCKET_ENV], cfg.host.nproc_per_node, on_lost=self._rank_lost,
+                               on_counts=self._rank_counts)
         await self.ranks.start(timeout=RANKS_CONNECT_SECONDS)
         # Every rank builds its shard at once (the process group forms as they join it).
         setup = asyncio.ensure_future(self.ranks.request("setup", peer=self.swarm.peer_id, device=device))
@@ -306,6 +320,14 @@ class Node:
         local = await self.compute(build)
         replies = await setup
         return HostWorker(local, self.ranks, [r["hash"] for r in replies], [r["init_hash"] for r in replies])
+
+    def _rank_counts(self, counts: dict) -> None:
+        """What another rank's shard plane counted: this host's metrics cover every rank."""
+        m = self.metrics
+        m.sent_bytes.inc(max(0.0, float(counts.get("sent", 0.0))))
+        m.received_bytes.inc(max(0.0, float(counts.get("received", 0.0))))
+        for reason, n in dict(counts.get("rejected", {})).items():
+            m.rejected_messages.labels(reason=str(reason)[:40]).inc(max(0, int(n)))
 
     def _rank_lost(self, why: str) -> None:
         """Another rank of this host died: the round in flight fails on its own (HostShards);
@@ -387,8 +409,11 @@ class Node:
                  "feedback": feedback.state_dict() if feedback is not None else None,
                  "commits": self.loop_.rounds.commits.state_dict()}
         try:
-            await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
-        except OSError as e:  # written atomically: the previous checkpoint is intact; retried next commit
+            if self.ranks is None:
+                await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
+            else:
+                await self._checkpoint_host(state)
+        except (OSError, RuntimeError) as e:  # written atomically: the previous checkpoint is intact; retried next commit
             self.metrics.checkpoint_failures.inc()
             if final:  # no next commit: stopping says so
                 raise
@@ -396,6 +421,22 @@ class Node:
             return
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+
+    async def _checkpoint_host(self, state: dict) -> None:
+        """Every rank writes its part of checkpoint ``seq`` at once; rank 0 makes it the latest
+        only when all are written (a rank that cannot write fails the checkpoint, RuntimeError)."""
+        from trainer.checkpoint import commit_host_checkpoint, save_host_part
+
+        directory = self.config.node.checkpoint_dir
+        self._checkpoint_seq += 1
+        seq = self._checkpoint_seq
+        others = asyncio.ensure_future(self.ranks.request("checkpoint", dir=directory, seq=seq))
+        try:
+            await asyncio.to_thread(save_host_part, directory, seq, 0, state)
+        finally:
+            await asyncio.gather(others, return_exceptions=True)
+        others.result()
+        await asyncio.to_thread(commit_host_checkpoint, directory, seq, self.ranks.world, state["worker"]["round"])
 
     def write_status(self) -> None:
         if self.swarm is not None:

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -56,6 +55,8 @@ class RankFollower:
         self.averaged = None  # the committed round's average of our shard, until the outer step
         self.tasks: dict[bytes, asyncio.Task] = {}  # group id -> its reduce
         self.groups: dict[bytes, object] = {}
+        self._feedback_state = None  # the residual a checkpoint held, loaded once the plane exists
+        self.counts = RankCounts()
 
     async def run(self) -> int:
         from node.compute import ComputeThread
@@ -108,7 +109,7 @@ class RankFollower:
             log.exception("rank %d: %s failed", self.rank, op)
             answer = {"error": f"{e.__class__.__name__}: {e}"[:500]}
         try:
-            await write_frame(writer, {"id": rid, **answer})
+            await write_frame(writer, {"id": rid, **answer, "counts": self.counts.take()})
         except (ConnectionError, OSError):
             pass
 
@@ -126,7 +127,15 @@ class RankFollower:
         self.worker = await self.compute(
             lambda: DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
                                  shard_key=h["peer"], seed=cfg.node.seed, ranks=ranks))
-        return {"init_hash": self.worker.init_hash, "hash": self.worker.params_hash()}
+        init_hash = self.worker.init_hash
+        if cfg.node.checkpoint_dir:  # rank 0 checked the checkpoint is complete; our part of it
+            from trainer.checkpoint import load_host_part
+
+            part = await asyncio.to_thread(load_host_part, cfg.node.checkpoint_dir, self.rank, ranks.world)
+            if part is not None:
+                await self.compute(self.worker.load_state_dict, part["worker"])
+                self._feedback_state = part.get("feedback")
+        return {"init_hash": init_hash, "hash": await self.compute(self.worker.params_hash)}
 
     async def _op_serve(self, h: dict) -> dict:
         """Serve our shard's requests under the run's scope through the host's p2pd."""
@@ -139,7 +148,7 @@ class RankFollower:
 
         cfg = self.config.swarm
         self.p2p = await P2P.replicate(Multiaddr(h["maddr"]))
-        metrics = _Counts()
+        metrics = self.counts
         dial = Dialer(self.p2p, shard_names(h["scope"], DATA_REQUESTS, self.rank), cfg.request_timeout, metrics)
         codec = get_codec(cfg.codec)
         deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
@@ -163,6 +172,21 @@ class RankFollower:
         kernels = getattr(codec, "kernels", None)
         if kernels is not None:
             await asyncio.to_thread(kernels)
+        if self._feedback_state is not None:
+            numel = sum(t.numel() for t in self.worker.global_params)
+            feedback = self.plane.ensure_feedback(numel)
+            if feedback is not None:
+                feedback.load_state_dict(self._feedback_state)
+        return {}
+
+    async def _op_checkpoint(self, h: dict) -> dict:
+        """Write our part of the host's checkpoint ``seq`` (rank 0 makes it the latest)."""
+        from trainer.checkpoint import save_host_part
+
+        feedback = self.plane.feedback if self.plane is not None else None
+        state = {"worker": await asyncio.to_thread(self.worker.state_dict),
+                 "feedback": feedback.state_dict() if feedback is not None else None}
+        await asyncio.to_thread(save_host_part, str(h["dir"]), int(h["seq"]), self.rank, state)
         return {}
 
     # ---- training ------------------------------------------------------------------------
@@ -233,42 +257,30 @@ class RankFollower:
         return {}
 
 
-class _Counts:
-    """What the shard plane counts, on a rank without a metrics endpoint of its own."""
+class _Counter:
+    def __init__(self) -> None:
+        self.value = 0.0
 
-    class _Counter:
-        def __init__(self) -> None:
-            self.value = 0.0
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
 
-        def inc(self, amount: float = 1.0) -> None:
-            self.value += amount
 
-        def labels(self, **_):
-            return self
-
-        def observe(self, _value: float) -> None:
-            pass
+class RankCounts:
+    """What this rank's shard plane counts (bytes, rejected input by reason), handed to rank
+    0's metrics with each answer: a rank has no metrics endpoint of its own."""
 
     def __init__(self) -> None:
+        self.sent_bytes, self.received_bytes = _Counter(), _Counter()
         self.rejected: dict[str, int] = {}
 
-    def __getattr__(self, name):
-        counter = _Counts._Counter()
-        setattr(self, name, counter)
-        return counter
+    def take(self) -> dict:
+        counts = {"sent": self.sent_bytes.value, "received": self.received_bytes.value, "rejected": self.rejected}
+        self.sent_bytes.value = self.received_bytes.value = 0.0
+        self.rejected = {}
+        return counts
 
 
 def _honest():
     from p2p.hostile import HONEST
 
     return HONEST
-
-
-def main_rank(config: Config) -> int:
-    """The entry of one rank under the launcher: rank 0 is the node, the others follow it."""
-    if int(os.environ["RANK"]) == 0:
-        from node.daemon import run_node
-
-        return run_node(config)
-    print(end="", file=sys.stderr)
-    return run_follower(config)

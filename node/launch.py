@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
@@ -34,13 +35,13 @@ def check_host(config: Config) -> None:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
+        if ":" in device:
+            raise ValueError(f"node.device: {device} names one GPU; with host.nproc_per_node = {n} every rank "
+                             f"takes its own (use cuda or auto)")
         gpus = torch.cuda.device_count()
         if n > gpus:
             raise ValueError(f"host.nproc_per_node: {n} ranks, but this host has {gpus} CUDA device"
                              f"{'' if gpus == 1 else 's'} (one rank per GPU)")
-        if ":" in device:
-            raise ValueError(f"node.device: {device} names one GPU; with host.nproc_per_node = {n} every rank "
-                             f"takes its own (use cuda or auto)")
     elif n > (os.cpu_count() or 1):
         raise ValueError(f"host.nproc_per_node: {n} CPU ranks, but this host has {os.cpu_count()} cores")
     if config.host.parallel != "fsdp":
@@ -76,9 +77,12 @@ def launch_host(config: Config, argv: list[str]) -> int:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if codes.get(0) == EXIT_USAGE:
             return EXIT_USAGE  # rank 0 said why, in one line
-        first = min(codes)
-        print(f"gonka-node: error: rank {first} of this host exited with code {codes[first]}; "
-              f"the host's ranks were stopped", file=sys.stderr, flush=True)
+        # The launcher stops the others with SIGTERM once one has failed: name that one.
+        failed = [r for r, c in sorted(codes.items()) if c != -signal.SIGTERM] or sorted(codes)
+        code = codes[failed[0]]
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"gonka-node: error: rank {failed[0]} of this host {how}; the host's ranks were stopped",
+              file=sys.stderr, flush=True)
         return EXIT_RUNTIME
     except SignalException:
         return EXIT_OK  # stopped by SIGTERM/SIGINT: rank 0 took its final checkpoint

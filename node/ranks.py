@@ -81,7 +81,7 @@ class _Link:
 class HostRanks:
     """Rank 0's side of the link to ranks 1..N-1."""
 
-    def __init__(self, path: str, world: int, *, on_lost=None) -> None:
+    def __init__(self, path: str, world: int, *, on_lost=None, on_counts=None) -> None:
         self.path = path
         self.world = world
         self.links: dict[int, _Link] = {}
@@ -90,6 +90,7 @@ class HostRanks:
         self._server = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_lost = on_lost  # called once when a rank is lost: the node stops
+        self.on_counts = on_counts  # what a rank counted (bytes, rejected input), for rank 0's metrics
 
     async def start(self, timeout: float) -> None:
         """Listen, and wait until every other rank has said hello."""
@@ -142,6 +143,10 @@ class HostRanks:
             except (ConnectionError, OSError) as e:
                 link._lose(f"rank {rank}: {e!r}")
         replies = await asyncio.gather(*futures)
+        for rep in replies:
+            counts = rep.pop("counts", None)
+            if self.on_counts is not None and isinstance(counts, dict):
+                self.on_counts(counts)
         for rank, rep in enumerate(replies, start=1):
             if rep.get("error"):
                 raise RuntimeError(f"rank {rank}: {op}: {rep['error']}")

@@ -55,12 +55,19 @@ _PR_SET_PDEATHSIG = 1
 
 # Runs as the child's first program: a fresh, single-threaded process, where prctl is safe (a
 # ``preexec_fn`` would run Python in a fork of a threaded process, deadlock-prone). It asks for
-# SIGKILL when the node dies, gives up if the node is already gone, and becomes the program.
+# SIGKILL when the node dies, gives up if the node is already gone, leaves the node's process
+# group (a Ctrl-C in the terminal, or torch.distributed.run stopping a rank's group, must reach
+# the node, which stops its children itself after its last words to the swarm; a session
+# leader such as a rank stays where it is), and becomes the program.
 _DIE_WITH_PARENT = (
     "import ctypes, os, sys\n"
     f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGKILL)})\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    os._exit(1)\n"
+    "try:\n"
+    "    os.setpgid(0, 0)\n"
+    "except OSError:\n"
+    "    pass\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 

@@ -51,3 +51,81 @@ def load_checkpoint(directory: str) -> dict | None:
     if not isinstance(state, dict):
         raise ValueError(f"node.checkpoint_dir: cannot load {path}: not a checkpoint (got {type(state).__name__})")
     return state
+
+
+# ---- multi-rank hosts ---------------------------------------------------------------------
+# One directory per checkpoint, ``host-SEQ/``, with one part per rank (``rank{k}.pt``: that
+# rank's shards and its own optimizer, data and feedback state). Every rank writes its part
+# atomically; only once all are written does rank 0 point ``latest-host.json`` at the
+# directory (atomically) and remove the older ones. A crash mid-checkpoint leaves the pointer
+# on the previous complete directory, which is still there.
+HOST_LATEST = "latest-host.json"
+
+
+def host_part_path(directory: str, seq: int, rank: int) -> str:
+    return os.path.join(directory, f"host-{seq:010d}", f"rank{rank}.pt")
+
+
+def save_host_part(directory: str, seq: int, rank: int, state: dict) -> str:
+    """Atomically write rank ``rank``'s part of checkpoint ``seq``; returns its path."""
+    path = host_part_path(directory, seq, rank)
+    atomic_write(path, lambda f: torch.save({**state, "rank": rank, "seq": seq}, f))
+    return path
+
+
+def commit_host_checkpoint(directory: str, seq: int, world: int, round: int) -> None:
+    """Every part of ``seq`` is written: make it the one a restart loads, drop the others."""
+    import json
+    import shutil
+
+    pointer = {"seq": seq, "world": world, "round": round}
+    atomic_write(os.path.join(directory, HOST_LATEST), lambda f: f.write(json.dumps(pointer).encode()))
+    keep = f"host-{seq:010d}"
+    for name in os.listdir(directory):
+        if name.startswith("host-") and name != keep:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def host_checkpoint(directory: str, world: int) -> dict | None:
+    """The complete checkpoint a host of ``world`` ranks resumes from ({seq, world, round}),
+    None if there is none; ValueError naming what is wrong (a part missing, another layout)."""
+    import json
+
+    path = os.path.join(directory, HOST_LATEST)
+    if not os.path.exists(path):
+        if os.path.exists(os.path.join(directory, LATEST)):
+            raise ValueError(f"node.checkpoint_dir: {directory} holds the checkpoint of a single-rank host, "
+                             f"this host has {world} ranks")
+        return None
+    try:
+        with open(path, "rb") as f:
+            pointer = json.loads(f.read(4096))
+        seq, pworld, round = (int(pointer[k]) for k in ("seq", "world", "round"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"node.checkpoint_dir: cannot read {path}: {e}") from None
+    if pworld != world:
+        raise ValueError(f"node.checkpoint_dir: written by a host of {pworld} ranks, this host has {world}")
+    for rank in range(world):
+        part = host_part_path(directory, seq, rank)
+        if not os.path.exists(part):
+            raise ValueError(f"node.checkpoint_dir: {part}: the part of rank {rank} is missing")
+    return {"seq": seq, "world": world, "round": round}
+
+
+def load_host_part(directory: str, rank: int, world: int) -> dict | None:
+    """Rank ``rank``'s part of the host's latest complete checkpoint (None: no checkpoint)."""
+    pointer = host_checkpoint(directory, world)
+    if pointer is None:
+        return None
+    path = host_part_path(directory, pointer["seq"], rank)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"node.checkpoint_dir: cannot load {path}: {load_error(e)}") from e
+    if not isinstance(state, dict) or state.get("rank") != rank or state.get("seq") != pointer["seq"]:
+        raise ValueError(f"node.checkpoint_dir: {path} is not the part of rank {rank} of checkpoint {pointer['seq']}")
+    worker = state.get("worker")
+    if not isinstance(worker, dict) or worker.get("round") != pointer["round"]:
+        raise ValueError(f"node.checkpoint_dir: {path} holds another round than the checkpoint "
+                         f"({worker.get('round') if isinstance(worker, dict) else '?'} != {pointer['round']})")
+    return state

@@ -23,7 +23,8 @@ from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
 from trainer.model import LoadedModel, load_model, lm_loss
 from trainer.outer import OuterOptimizer
-from trainer.parallel import Ranks, local_tensors, shard_model
+from trainer.parallel import (Ranks, local_optimizer_state, local_tensors, reshard_optimizer_state, resharded,
+                              shard_model)
 from trainer.schedule import inner_lr
 
 # outer.land_step: how often a step waiting for the round in flight checks whether to stop.
@@ -169,6 +170,8 @@ class DiLoCoWorker:
 
     def _local(self) -> list[torch.Tensor]:
         """The local copy's tensors θ pairs with: the whole parameters, or this rank's shards."""
+        if self.ranks is not None:
+            resharded(self.model)
         return local_tensors(self.model.parameters())
 
     def inner_steps(self, n: int, should_stop: Callable[[], bool] | None = None) -> InnerStats:
@@ -381,7 +384,8 @@ class DiLoCoWorker:
             "global_params": [g.clone() for g in self.global_params],
             "outer": self.outer_opt.state_dict(),
             "local_params": [p.detach().to("cpu", copy=True) for p in self._local()],
-            "inner_opt": self.inner_opt.state_dict(),
+            "inner_opt": self.inner_opt.state_dict() if self.ranks is None else local_optimizer_state(
+                self.inner_opt.state_dict()),
             "sampler": self.sampler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "origin": None if self.origin is None else [o.clone() for o in self.origin],
@@ -408,6 +412,8 @@ class DiLoCoWorker:
             _check_tensors(d["origin"], self.global_params, "checkpoint origin")
         self.outer_opt.load_state_dict(d.get("outer"))
         self.inner_opt.load_state_dict(d.get("inner_opt"))
+        if self.ranks is not None:
+            reshard_optimizer_state(self.inner_opt)
         self.sampler.load_state_dict(d.get("sampler"))
         for g, t in zip(self.global_params, d["global_params"]):
             g.copy_(t)

@@ -87,11 +87,46 @@ def shard_model(module: nn.Module, ranks: Ranks, precision: str) -> nn.Module:
     module.to(ranks.device)
     for block in _blocks(module):
         fully_shard(block, mp_policy=policy)
-    fully_shard(module, mp_policy=policy)
+    # The root too gives its parameters back after a forward: an evaluation (no backward) must
+    # leave every parameter sharded, as the outer state pairs with the shards.
+    fully_shard(module, mp_policy=policy, reshard_after_forward=True)
     return module
+
+
+def resharded(module: nn.Module) -> None:
+    """Every FSDP unit of ``module`` back to its sharded parameters (a no-op where they are)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def local_tensors(params) -> list[torch.Tensor]:
     """This rank's part of each parameter: the local shard of a sharded one (a view that
     writes through), the parameter itself otherwise."""
     return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def local_optimizer_state(state_dict: dict) -> dict:
+    """An optimizer's state_dict with each sharded tensor as this rank's local shard: what a
+    rank's checkpoint part holds (plain tensors, loadable with weights_only)."""
+    state = {k: {n: (v.to_local() if hasattr(v, "to_local") else v) for n, v in s.items()}
+             for k, s in state_dict["state"].items()}
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def reshard_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of a ``local_optimizer_state``: every per-element state of a
+    sharded parameter becomes a shard of it again."""
+    from torch.distributed.tensor import DTensor
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            state = opt.state.get(p, {})
+            for k, v in list(state.items()):
+                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                    state[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements,
+                                                  run_check=False, shape=p.shape, stride=p.stride())

@@ -1,0 +1,117 @@
+"""Multi-rank hosts: two hosts of two CPU ranks each (gloo, FSDP2) train one swarm.
+
+Each host is one peer (one id, one heartbeat, one p2pd) whose ranks reduce their own shards
+with the matching ranks of the other host; a round commits for every shard or none, and both
+hosts end every round on one params_hash over the whole model. A host stopped with SIGTERM
+writes every rank's part of a final checkpoint and restarts from it on the common hash. A
+rank SIGKILLed mid-round takes its host out (the launcher stops the other rank, nothing is
+left running) without the other host committing anything alone. A checkpoint with a part
+missing is refused at start-up.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.nodes import BIN, alive, children_of, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+HOST = ["--nproc-per-node", "2", "--device", "cpu", "--inner-steps", "6"]
+
+
+def rank_pids(node) -> dict[int, int]:
+    """rank -> pid of the host's rank processes (torch.distributed.run sets RANK)."""
+    found = {}
+    for pid in children_of(node.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("python") or comm.startswith("gonka"):
+            for item in env:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = pid
+    node.known_children.update(children_of(node.pid))
+    return found
+
+
+def live_status(node) -> dict:
+    out = subprocess.run([str(BIN), "status", "--control", node.control, "--json"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def host_parts(directory: Path) -> list[Path]:
+    return sorted(directory.glob("host-*/rank*.pt"))
+
+
+def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_rank(nodes, tmp_path):
+    ckpt = tmp_path / "b-ckpt"
+    b_args = [*HOST, "--min-peers", "2", "--checkpoint-dir", str(ckpt), "--identity", str(tmp_path / "b.key")]
+    a = nodes("a", *HOST, "--min-peers", "2")
+    b = nodes("b", *b_args, "--bootstrap", a.address())
+    for n in (a, b):
+        n.wait_round(3, timeout=240)
+    ra, rb = a.rounds(), b.rounds()
+    common = sorted(set(ra) & set(rb))
+    assert len(common) >= 3
+    assert all(ra[r] == rb[r] for r in common), (ra, rb)
+    assert len(set(ra[r] for r in common)) == len(common)  # the model moves every round
+    assert "members=2" in a.log() and "layout=fsdpx2" in a.log()
+    # One peer per host: each table holds the other host and nobody else; one p2pd per host.
+    assert a.status()["peers"] == 2 and b.status()["peers"] == 2
+    ranks = rank_pids(b)
+    assert sorted(ranks) == [0, 1], ranks
+    assert len([p for p in children_of(b.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "p2pd"]) == 1
+
+    # SIGTERM: b's ranks write their parts of a final checkpoint and stop; nothing is left.
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait_exit(90) == 0, b.log()[-3000:]
+    wait_until(lambda: not any(alive(p) for p in b.known_children), 30, "b's ranks and p2pd to be gone")
+    parts = host_parts(ckpt)
+    assert [p.name for p in parts] == ["rank0.pt", "rank1.pt"] and len({p.parent for p in parts}) == 1, parts
+    stopped_at = max(b.rounds())
+
+    # b restarts from its sharded checkpoint; a waited for it (min-peers 2) and both go on as one.
+    b2 = nodes("b2", *b_args, "--bootstrap", a.address())
+    for n in (a, b2):
+        n.wait_round(stopped_at + 2, timeout=240)
+    assert f"resumed from {ckpt} at round {stopped_at}" in b2.log(), b2.log()[-3000:]
+    ra, rb = a.rounds(), b2.rounds()
+    after = [r for r in rb if stopped_at < r <= max(ra)]
+    assert len(after) >= 2 and all(ra.get(r) == rb[r] for r in after), (ra, rb)
+
+    # Rank 1 of b dies mid-round: b's launcher stops its rank 0 and exits non-zero, and nothing
+    # of b is left; a aborts what was in flight and (min-peers 2) commits nothing alone.
+    ranks = rank_pids(b2)
+    at = max(b2.rounds())
+    wait_until(lambda: re.search(rf"trained round={at + 1} ", b2.log()), 120, "b to train its next round")
+    os.kill(ranks[1], signal.SIGKILL)
+    assert b2.wait_exit(90) == 1
+    assert "rank 1 of this host was killed by SIGKILL" in b2.log(), b2.log()[-3000:]
+    wait_until(lambda: not any(alive(p) for p in b2.known_children), 30, "b's ranks and p2pd to be gone")
+    wait_until(lambda: live_status(a)["peers"] == 1, 60, "a to see b gone")
+    assert set(a.rounds()) <= set(b.rounds()) | set(b2.rounds()), (a.rounds(), b2.rounds())
+    assert a.proc.poll() is None
+
+    # A sharded checkpoint with a part missing is refused at start-up: one line, exit 2. (A part
+    # that b wrote of a checkpoint it did not finish, if any, is not the one in use.)
+    pointer = json.loads((ckpt / "latest-host.json").read_text())
+    (ckpt / f"host-{pointer['seq']:010d}" / "rank1.pt").unlink()
+    b3 = nodes("b3", *b_args)
+    assert b3.wait_exit(120) == 2
+    assert "the part of rank 1 is missing" in b3.log() and "Traceback" not in b3.log(), b3.log()[-3000:]
+
+    # SIGTERM to a host's launcher reaches rank 0, which stops its ranks.
+    rank_pids(a)
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.wait_exit(60) == 0, a.log()[-3000:]
+    wait_until(lambda: not any(alive(p) for p in a.known_children), 30, "a's ranks and p2pd to be gone")
