@@ -259,6 +259,9 @@ class Node:
                                      peer=self.swarm.peer_id, cap=weight_cap)
             rounds.shards = HostShards(self.ranks)
         server = StateServer(self.swarm, self.metrics, commits)
+        if self.ranks is not None:  # a peer rank 0 serves the meta to may fetch every rank's shard
+            ranks = self.ranks
+            server.on_meta = lambda peer: ranks.request("allow", peer=peer)
         self.loop_ = TrainingLoop(worker=self.worker, swarm=self.swarm, rounds=rounds, server=server,
                                   compute=self.compute,
                                   metrics=self.metrics, status=self.status, inner_steps=cfg.inner.steps,
@@ -326,6 +329,7 @@ class Node:
         m = self.metrics
         m.sent_bytes.inc(max(0.0, float(counts.get("sent", 0.0))))
         m.received_bytes.inc(max(0.0, float(counts.get("received", 0.0))))
+        m.state_served.inc(max(0.0, float(counts.get("served", 0.0))))
         for reason, n in dict(counts.get("rejected", {})).items():
             m.rejected_messages.labels(reason=str(reason)[:40]).inc(max(0, int(n)))
 

@@ -57,6 +57,8 @@ class RankFollower:
         self.groups: dict[bytes, object] = {}
         self._feedback_state = None  # the residual a checkpoint held, loaded once the plane exists
         self.counts = RankCounts()
+        self.server = None  # our shard of the state, served to joiners
+        self.fetched = None  # a downloaded shard, until rank 0 says load it (every rank has one) or drop it
 
     async def run(self) -> int:
         from node.compute import ComputeThread
@@ -145,6 +147,7 @@ class RankFollower:
         from p2p.deadline import DeadlinePolicy
         from p2p.limits import StreamLimits
         from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, guarded, shard_names
+        from p2p.transfer import ShardStateServer
 
         cfg = self.config.swarm
         self.p2p = await P2P.replicate(Multiaddr(h["maddr"]))
@@ -169,6 +172,13 @@ class RankFollower:
         await self.plane.start(self.p2p, lambda handler: guarded(
             handler, streams=streams, admits=anyone, reject=reject, on_flood=lambda peer: None,
             limit=deadlines.ceiling + 3 * cfg.request_timeout, request_timeout=cfg.request_timeout))
+        # Our shard of the state, for joiners rank 0 lets in (p2p/transfer.py).
+        self.state_name = f"gonka.{h['scope']}.state.s{self.rank}"
+        self.reject = reject
+        self.server = ShardStateServer(self.p2p, self.state_name, streams, reject, metrics, cfg.request_timeout)
+        await self.server.start(lambda handler: guarded(
+            handler, streams=streams, admits=anyone, reject=reject, on_flood=lambda peer: None,
+            limit=3 * cfg.request_timeout, request_timeout=cfg.request_timeout))
         kernels = getattr(codec, "kernels", None)
         if kernels is not None:
             await asyncio.to_thread(kernels)
@@ -256,6 +266,53 @@ class RankFollower:
         await self.compute(self.worker.reset_local)
         return {}
 
+    # ---- state for joiners, and joining ---------------------------------------------------
+
+    async def _op_publish(self, h: dict) -> dict:
+        """A new committed state: our shard's snapshot for joiners (built off the event loop)."""
+        from p2p.transfer import Snapshot
+
+        w, chunk = self.worker, self.config.swarm.state_chunk_bytes
+
+        def build():
+            gs, params_hash = w.global_state(), w.params_hash()
+            return Snapshot.build(gs["round"], params_hash, gs["params"], gs["momentum"], chunk)
+
+        self.server.snapshot = await asyncio.to_thread(build)
+        return {"hash": self.server.snapshot.params_hash}
+
+    async def _op_allow(self, h: dict) -> dict:
+        self.server.allow(str(h["peer"]))
+        return {}
+
+    async def _op_fetch(self, h: dict) -> dict:
+        """Download our shard of (round, the host's hash) from the donors' rank of our number and
+        check it is the shard rank 0 verified the hash of; nothing is loaded yet."""
+        from p2p.transfer import StateDownload
+        from trainer.diloco import params_digest
+
+        want = str(h["hashes"][self.rank])
+        download = StateDownload.through(self.p2p, self.reject, self.config.swarm.request_timeout, self.counts,
+                                         self.state_name)
+        snap = await download.run(int(h["round"]), want, list(h["donors"]),
+                                  [list(s) for s in self.worker.state_shapes()])
+        state = await asyncio.to_thread(snap.unpack)
+        if await asyncio.to_thread(params_digest, state["params"]) != want:
+            raise RuntimeError("the downloaded shard does not hash to the one its donors' rank 0 listed")
+        self.fetched = state
+        return {}
+
+    async def _op_load_fetched(self, h: dict) -> dict:
+        state, self.fetched = self.fetched, None
+        if state is None:
+            raise RuntimeError("no downloaded shard to load")
+        await self.compute(self.worker.load_global_state, state)
+        return {"hash": await self.compute(self.worker.params_hash)}
+
+    async def _op_drop_fetched(self, h: dict) -> dict:
+        self.fetched = None
+        return {}
+
 
 class _Counter:
     def __init__(self) -> None:
@@ -264,18 +321,23 @@ class _Counter:
     def inc(self, amount: float = 1.0) -> None:
         self.value += amount
 
+    def observe(self, value: float) -> None:  # a duration rank 0 times itself
+        pass
+
 
 class RankCounts:
     """What this rank's shard plane counts (bytes, rejected input by reason), handed to rank
     0's metrics with each answer: a rank has no metrics endpoint of its own."""
 
     def __init__(self) -> None:
-        self.sent_bytes, self.received_bytes = _Counter(), _Counter()
+        self.sent_bytes, self.received_bytes, self.state_served = _Counter(), _Counter(), _Counter()
+        self.state_download_seconds = _Counter()
         self.rejected: dict[str, int] = {}
 
     def take(self) -> dict:
-        counts = {"sent": self.sent_bytes.value, "received": self.received_bytes.value, "rejected": self.rejected}
-        self.sent_bytes.value = self.received_bytes.value = 0.0
+        counts = {"sent": self.sent_bytes.value, "received": self.received_bytes.value,
+                  "served": self.state_served.value, "rejected": self.rejected}
+        self.sent_bytes.value = self.received_bytes.value = self.state_served.value = 0.0
         self.rejected = {}
         return counts
 

@@ -77,8 +77,11 @@ def launch_host(config: Config, argv: list[str]) -> int:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if codes.get(0) == EXIT_USAGE:
             return EXIT_USAGE  # rank 0 said why, in one line
-        # The launcher stops the others with SIGTERM once one has failed: name that one.
-        failed = [r for r, c in sorted(codes.items()) if c != -signal.SIGTERM] or sorted(codes)
+        # Name the rank that failed first: one killed by a signal (the launcher stops the others
+        # with SIGTERM), else rank 0 (the others exit when it is gone; it exits when one of them
+        # is, saying which), else the lowest.
+        killed = [r for r, c in sorted(codes.items()) if c < 0 and c != -signal.SIGTERM]
+        failed = killed or ([0] if codes.get(0) else []) or sorted(codes)
         code = codes[failed[0]]
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         print(f"gonka-node: error: rank {failed[0]} of this host {how}; the host's ranks were stopped",

@@ -317,7 +317,10 @@ class TrainingLoop:
                 try:
                     snap = await download.run(round, params_hash, donors,
                                               [list(s) for s in self.worker.state_shapes()])
-                    ok = await self.compute(self._load_verified, snap)
+                    if hasattr(self.worker, "load_shards"):  # a multi-rank host: every rank its shard
+                        ok = await self.worker.load_shards(snap, donors, self.compute)
+                    else:
+                        ok = await self.compute(self._load_verified, snap)
                 except (RuntimeError, ValueError) as e:
                     log.warning("state download failed: %s", e)
                     ok = False
@@ -377,9 +380,10 @@ class TrainingLoop:
         params_hash = await asyncio.to_thread(w.params_hash)
 
         def snapshot() -> Snapshot:  # copies of the whole state: never on the event loop
+            shards = w.shard_hashes() if hasattr(w, "shard_hashes") else ()  # a multi-rank host's
             gs = w.global_state()
             return Snapshot.build(gs["round"], params_hash, gs["params"], gs["momentum"],
-                                  self.swarm.config.state_chunk_bytes)
+                                  self.swarm.config.state_chunk_bytes, shards)
 
         self.server.snapshot = await asyncio.to_thread(snapshot)
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step

@@ -267,3 +267,37 @@ class HostWorker:
 
     def settle(self) -> None:
         self.local.settle()
+
+    # ---- state for joiners, and joining -------------------------------------------------
+
+    def shard_hashes(self) -> tuple[str, ...]:
+        """Every rank builds its shard's snapshot of the state just committed (for joiners);
+        the shards' hashes in rank order, which rank 0's snapshot lists."""
+        replies = self.ranks.call("publish")
+        self._took(replies)
+        return (self.local.params_hash(), *(r["hash"] for r in replies))
+
+    async def load_shards(self, snap, donors: list[str], compute) -> bool:
+        """Load a downloaded state on every rank, or on none: rank 0's shard (``snap``, from the
+        donors' rank 0) lists every shard's hash; each rank fetches its own from the donors'
+        matching rank and checks it against that list, and only once all have one do they load."""
+        from trainer.diloco import params_digest
+
+        shards = list(snap.shards)
+        if len(shards) != self.ranks.world or combined_hash(shards) != snap.params_hash:
+            log.warning("a donor's state does not list %d shards hashing to %s; not loading it",
+                        self.ranks.world, snap.params_hash[:12])
+            return False
+        state = await asyncio.to_thread(snap.unpack)
+        if await asyncio.to_thread(params_digest, state["params"]) != shards[0]:
+            log.warning("rank 0's shard of the downloaded state does not hash to its listed hash")
+            return False
+        try:
+            await self.ranks.request("fetch", round=snap.round, hashes=shards, donors=donors)
+        except RuntimeError as e:
+            log.warning("a rank could not download its shard: %s", e)
+            await self.ranks.request("drop_fetched")
+            return False
+        self._took(await self.ranks.request("load_fetched"))
+        await compute(self.local.load_global_state, state)
+        return self.params_hash() == snap.params_hash

@@ -30,13 +30,14 @@ from p2p import faults
 from p2p.config import MIN_STATE_CHUNK_BYTES
 from p2p.commits import CommitCertificate, CommitLog, decode_certs, encode_certs, verify_chain
 from p2p.swarm import Swarm, peer_id_from
-from p2p.limits import handler_deadline
+from p2p.limits import BoundedDict, handler_deadline
 from p2p.wire import (MAX_PAYLOAD_BYTES, SMALL_HEADER_BYTES, WireError, close_writer, field as hfield, linger,
                       read_frame, write_frame)
 
 log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16  # blake2b-128 of the whole blob and of each chunk
+MAX_SHARDS = 1024  # ranks of one host (host.nproc_per_node's bound)
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,14 +53,17 @@ class Snapshot:
     # receiver check each one as it arrives.
     chunk_bytes: int
     chunk_digests: list[bytes]
+    # A multi-rank host's snapshot is its rank's shard of the state; rank 0's also lists every
+    # shard's hash (in rank order), which ``params_hash`` is the combined hash of.
+    shards: tuple[str, ...] = ()
 
     @classmethod
     def build(cls, round: int, params_hash: str, params: list[torch.Tensor], momentum: list[torch.Tensor],
-              chunk_bytes: int) -> "Snapshot":
+              chunk_bytes: int, shards: tuple[str, ...] = ()) -> "Snapshot":
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in [*params, *momentum]])
         blob = flat.numpy().tobytes()
         return cls(round, params_hash, [list(p.shape) for p in params], blob, _digest(blob), chunk_bytes,
-                   _chunk_digests(blob, chunk_bytes))
+                   _chunk_digests(blob, chunk_bytes), tuple(shards))
 
     def unpack(self) -> dict:
         """The blob back as {'round', 'params', 'momentum'} tensors."""
@@ -82,6 +86,9 @@ class StateServer:
         self.commits = commits
         self.snapshot: Snapshot | None = None
         self.name = f"gonka.{swarm.scope}.state"
+        # A multi-rank host: told who asked for the meta, before it is answered, so the other
+        # ranks serve that peer their shards (node/ranks.py). Async callable(peer), or None.
+        self.on_meta = None
 
     async def start(self) -> None:
         await self.swarm.p2p.add_binary_stream_handler(self.name, self._handle)
@@ -130,24 +137,74 @@ class StateServer:
         elif snap is None:
             await write_frame(writer, {"ok": False, "reason": "no_state"})
         elif op == "meta":
-            # The chunk digests travel as the payload: 16 bytes a chunk outgrow a header (64 KiB)
-            # past ~1.9B parameters at the default chunk size.
-            await write_frame(writer, {"ok": True, "round": snap.round, "hash": snap.params_hash,
-                                       "size": len(snap.blob), "digest": snap.digest, "shapes": snap.shapes,
-                                       "chunk": snap.chunk_bytes}, b"".join(snap.chunk_digests))
-            await linger(reader, self.swarm.config.request_timeout)
+            if self.on_meta is not None:
+                await self.on_meta(requester)
+            await serve_meta(snap, reader, writer, self.swarm.config.request_timeout)
         elif op == "range":
-            offset, length = hfield(header, "offset", int), hfield(header, "length", int)
-            if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
-                await write_frame(writer, {"ok": False, "reason": "moved_on"})
-                return
-            if not (0 <= offset and 0 < length <= snap.chunk_bytes and offset + length <= len(snap.blob)):
-                raise WireError("bad_range")
-            faults.checkpoint("serve", snap.round + 1)
-            sent = await write_frame(writer, {"ok": True}, memoryview(snap.blob)[offset : offset + length])
-            self.metrics.sent_bytes.inc(sent)
-            self.metrics.state_served.inc()
-            await linger(reader, self.swarm.config.request_timeout)
+            await serve_range(snap, header, reader, writer, self.metrics, self.swarm.config.request_timeout)
+        else:
+            raise WireError("bad_op")
+
+
+async def serve_meta(snap: Snapshot, reader, writer, timeout: float) -> None:
+    # The chunk digests travel as the payload: 16 bytes a chunk outgrow a header (64 KiB)
+    # past ~1.9B parameters at the default chunk size.
+    meta = {"ok": True, "round": snap.round, "hash": snap.params_hash, "size": len(snap.blob),
+            "digest": snap.digest, "shapes": snap.shapes, "chunk": snap.chunk_bytes}
+    if snap.shards:
+        meta["shards"] = list(snap.shards)
+    await write_frame(writer, meta, b"".join(snap.chunk_digests))
+    await linger(reader, timeout)
+
+
+async def serve_range(snap: Snapshot, header: dict, reader, writer, metrics, timeout: float) -> None:
+    offset, length = hfield(header, "offset", int), hfield(header, "length", int)
+    if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
+        await write_frame(writer, {"ok": False, "reason": "moved_on"})
+        return
+    if not (0 <= offset and 0 < length <= snap.chunk_bytes and offset + length <= len(snap.blob)):
+        raise WireError("bad_range")
+    faults.checkpoint("serve", snap.round + 1)
+    sent = await write_frame(writer, {"ok": True}, memoryview(snap.blob)[offset : offset + length])
+    metrics.sent_bytes.inc(sent)
+    metrics.state_served.inc()
+    await linger(reader, timeout)
+
+
+class ShardStateServer:
+    """Rank k's shard of a multi-rank host's snapshot, served to the peers rank 0 let in: rank 0
+    checks the peer against the swarm (``StateServer``) and tells us before it answers the
+    peer's meta request (``allow``), so a stranger gets no byte of any shard."""
+
+    ALLOW_SECONDS = 600.0  # a joiner's download of one state, with its retries
+
+    def __init__(self, p2p, name: str, streams, reject, metrics, request_timeout: float) -> None:
+        self.p2p = p2p
+        self.name = name
+        self.streams = streams
+        self.reject = reject
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        self.snapshot: Snapshot | None = None
+        self._allowed: BoundedDict = BoundedDict(4096)  # peer -> until when
+
+    def allow(self, peer: str) -> None:
+        self._allowed[peer] = time.monotonic() + self.ALLOW_SECONDS
+
+    async def start(self, guard) -> None:
+        await self.p2p.add_binary_stream_handler(self.name, guard(self._serve))
+
+    async def _serve(self, requester: str, header: dict, reader, writer) -> None:
+        snap, op = self.snapshot, hfield(header, "op", str)
+        if self._allowed.get(requester, 0.0) < time.monotonic():
+            self.reject("not_in_swarm", requester[-8:])
+            await write_frame(writer, {"ok": False, "reason": "not_in_swarm"})
+        elif snap is None:
+            await write_frame(writer, {"ok": False, "reason": "no_state"})
+        elif op == "meta":
+            await serve_meta(snap, reader, writer, self.request_timeout)
+        elif op == "range":
+            await serve_range(snap, header, reader, writer, self.metrics, self.request_timeout)
         else:
             raise WireError("bad_op")
 
@@ -156,14 +213,21 @@ class StateDownload:
     """Fetch one snapshot from several donors in parallel; see the module docstring."""
 
     def __init__(self, swarm: Swarm, metrics, name: str) -> None:
-        self.swarm = swarm
+        self.p2p, self.reject, self.timeout = swarm.p2p, swarm.reject, swarm.config.request_timeout
         self.metrics = metrics
         self.name = name
-        self.timeout = swarm.config.request_timeout
+
+    @classmethod
+    def through(cls, p2p, reject, request_timeout: float, metrics, name: str) -> "StateDownload":
+        """A download on a handle other than the swarm's (a multi-rank host's other ranks)."""
+        self = cls.__new__(cls)
+        self.p2p, self.reject, self.timeout = p2p, reject, request_timeout
+        self.metrics, self.name = metrics, name
+        return self
 
     async def _request(self, donor: str, header: dict, max_payload: int = 0) -> tuple[dict, bytes]:
         async with asyncio.timeout(self.timeout):
-            _, reader, writer = await self.swarm.p2p.call_binary_stream_handler(peer_id_from(donor), self.name)
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id_from(donor), self.name)
         try:
             await write_frame(writer, header)
             reply, payload = await read_frame(reader, self.timeout, max_payload=max_payload)
@@ -174,10 +238,10 @@ class StateDownload:
             await close_writer(writer)
 
     async def meta(self, donor: str, round: int, params_hash: str,
-                   shapes: list[list[int]]) -> tuple[bytes, int, tuple[bytes, ...]] | None:
-        """What ``donor`` says of the snapshot it serves: (digest, chunk bytes, chunk digests) if
-        it is (round, params_hash) of a model with these shapes, None if it serves another one;
-        WireError ``bad_state_meta`` if its description does not fit that state."""
+                   shapes: list[list[int]]) -> tuple[bytes, int, tuple[bytes, ...], tuple[str, ...]] | None:
+        """What ``donor`` says of the snapshot it serves: (digest, chunk bytes, chunk digests, its
+        shards' hashes) if it is (round, params_hash) of a model with these shapes, None if it
+        serves another one; WireError ``bad_state_meta`` if its description does not fit that state."""
         size = _state_bytes(shapes)
         # At most one digest per smallest chunk a donor may use.
         bound = min(MAX_PAYLOAD_BYTES, DIGEST_BYTES * -(-size // MIN_STATE_CHUNK_BYTES))
@@ -189,7 +253,12 @@ class StateDownload:
                 or not isinstance(chunk, int) or not MIN_STATE_CHUNK_BYTES <= chunk <= MAX_PAYLOAD_BYTES
                 or len(digests) != DIGEST_BYTES * -(-size // chunk)):
             raise WireError("bad_state_meta", "does not describe this state")
-        return m["digest"], chunk, tuple(digests[i : i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES))
+        shards = m.get("shards", [])
+        if not (isinstance(shards, list) and len(shards) <= MAX_SHARDS
+                and all(isinstance(h, str) and 0 < len(h) <= 64 for h in shards)):
+            raise WireError("bad_state_meta", "bad shard hashes")
+        return (m["digest"], chunk, tuple(digests[i : i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES)),
+                tuple(shards))
 
     async def fetch_chain(self, round: int, params_hash: str, donors: list[str], commits: CommitLog,
                           admits=lambda peer: True) -> list[CommitCertificate]:
@@ -211,7 +280,7 @@ class StateDownload:
                             break
                         after = certs[-1].round
                 except ValueError as e:
-                    self.swarm.reject("bad_certificate", f"from {donor[-8:]}")
+                    self.reject("bad_certificate", f"from {donor[-8:]}")
                     reasons.append(f"{donor[-8:]}: {e}")
                     break
                 except Exception as e:
@@ -234,7 +303,7 @@ class StateDownload:
         agreeing = {}
         for donor, meta in zip(donors, metas):
             if isinstance(meta, WireError) and meta.reason != "refused":  # as every handler counts them
-                self.swarm.reject(meta.reason, f"from {donor[-8:]}: {meta}")
+                self.reject(meta.reason, f"from {donor[-8:]}: {meta}")
             elif isinstance(meta, BaseException):
                 log.info("donor %s: %r", donor[-8:], meta)
             elif meta is not None:
@@ -242,9 +311,9 @@ class StateDownload:
         if not agreeing:
             raise RuntimeError(f"no donor serves round {round} with params_hash {params_hash[:12]}")
         # Donors holding the same (round, params_hash) serve identical bytes; trust the common description.
-        (digest, chunk, chunk_digests), _ = Counter(agreeing.values()).most_common(1)[0]
+        (digest, chunk, chunk_digests, shards), _ = Counter(agreeing.values()).most_common(1)[0]
         size = expected_size
-        donors = [d for d, v in agreeing.items() if v == (digest, chunk, chunk_digests)]
+        donors = [d for d, v in agreeing.items() if v == (digest, chunk, chunk_digests, shards)]
         blob = bytearray(size)
         queue: asyncio.Queue[int] = asyncio.Queue()
         offsets = list(range(0, size, chunk))
@@ -265,7 +334,7 @@ class StateDownload:
                 try:
                     _, payload = await self._request(donor, header, max_payload=chunk)
                     if len(payload) != length or _digest(payload) != chunk_digests[offset // chunk]:
-                        self.swarm.reject("bad_state_chunk", f"from {donor[-8:]}")
+                        self.reject("bad_state_chunk", f"from {donor[-8:]}")
                         raise WireError("bad_state_chunk")
                 except Exception as e:
                     queue.put_nowait(offset)
@@ -295,7 +364,7 @@ class StateDownload:
         self.metrics.state_download_seconds.observe(time.monotonic() - started)
         log.info("downloaded round %d state (%.1f MB) from %d donors in %.2fs",
                  round, size / 1e6, len(donors), time.monotonic() - started)
-        return Snapshot(round, params_hash, shapes, blob, digest, chunk, list(chunk_digests))
+        return Snapshot(round, params_hash, shapes, blob, digest, chunk, list(chunk_digests), shards)
 
 
 def _digest(data: bytes) -> bytes:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import aggregate, allreduce, codecs, convergence, dataloader, join, overhead, prepare, scale, trust, utilization
+from . import (aggregate, allreduce, codecs, convergence, dataloader, join, memory, overhead, prepare, scale, trust,
+               utilization)
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "aggregate": aggregate.run,
@@ -21,6 +22,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "convergence": convergence.run,
     "dataloader": dataloader.run,
     "join": join.run,
+    "memory": memory.run,
     "overhead": overhead.run,
     "prepare": prepare.run,
     "scale": scale.run,
@@ -35,6 +37,7 @@ ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "convergence": convergence.add_arguments,
     "dataloader": dataloader.add_arguments,
     "join": join.add_arguments,
+    "memory": memory.add_arguments,
     "overhead": overhead.add_arguments,
     "prepare": prepare.add_arguments,
     "scale": scale.add_arguments,

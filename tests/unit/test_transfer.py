@@ -101,7 +101,8 @@ async def test_a_state_of_more_chunks_than_a_header_holds_is_described_in_full()
                 break
             await asyncio.sleep(0.05)
         download = StateDownload(joiner, joiner_metrics, server.name)
-        digest, chunk, digests = await download.meta(donor.peer_id, 3, "g", shapes)
+        digest, chunk, digests, shards = await download.meta(donor.peer_id, 3, "g", shapes)
+        assert shards == ()
         assert (digest, chunk, list(digests)) == (server.snapshot.digest, MIN_CHUNK_BYTES, server.snapshot.chunk_digests)
         assert len(digests) == 4200
         assert await download.meta(donor.peer_id, 4, "g", shapes) is None  # another round: not this state

@@ -1,0 +1,132 @@
+"""Benchmark ``memory``: host memory per parameter of a training host, while it trains and
+while it averages, for 1 and 2 ranks.
+
+Two hosts on loopback (real `gonka-node start`, ``--device cpu``, ``--nproc-per-node R``,
+``--min-peers 2``, a lossy codec with error feedback: int8 by default) train ``--rounds``
+rounds. Every 50 ms the resident memory (``VmRSS``) of every process of the first host is
+summed: the launcher and its ranks (R > 1) or the node (R = 1), and ``p2pd``. Each sample is
+classed *train* (inside an inner-step phase, from the node's ``trained round=... seconds=...``
+lines) or *round* (the rest of the round: pseudo-gradient, all-reduce, outer step, snapshot,
+checkpoint-free). The first round is a warm-up and is left out.
+
+Per parameter: the host's peak RSS in each phase, for two model sizes, as the slope
+``(peak(big) - peak(small)) / (params(big) - params(small))``, which leaves out what does not
+grow with the model (interpreter, libraries, p2pd). ``minimum`` is what the design needs on a
+CPU host, where the inner loop's model is in host RAM too: parameters, gradients and AdamW's
+two moments (16 bytes), plus the outer state (θ 4, momentum 4, residual 4) and at most 2 bytes
+of round buffers: 30. On a GPU host the first 16 are on the GPUs and the goal is 14.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.swarmbench_common import NODE_BIN, listening_address, log_tail, state_numel, stop_all
+
+COLUMNS = ["model", "ranks", "params", "train_peak_mb", "round_peak_mb"]
+TRAINED = re.compile(r"^(\S+ \S+),(\d{3}) INFO gonka\.node: trained round=(\d+) steps=\d+ seconds=([0-9.]+)", re.M)
+MINIMUM_CPU = 30  # bytes per parameter: see the module docstring
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--models", default="tiny,small", help="two presets, smaller first (default tiny,small)")
+    group.add_argument("--ranks", default="1,2", help="ranks per host to measure (default 1,2)")
+    group.add_argument("--rounds", type=int, default=4, help="rounds per run, the first a warm-up (default 4)")
+    group.add_argument("--inner-steps", type=int, default=3, help="inner steps per round (default 3)")
+    group.add_argument("--codec", default="int8", help="the swarm's codec (default int8, with error feedback)")
+
+
+def _tree(pid: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = [pid], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _stamp(date: str, ms: str) -> float:
+    return time.mktime(time.strptime(date, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
+
+
+def measure(model: str, ranks: int, args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="gonka-mem-"))
+    common = ["--model", model, "--device", "cpu", "--nproc-per-node", str(ranks), "--min-peers", "2",
+              "--inner-steps", str(args.inner_steps), "--max-rounds", str(args.rounds), "--metrics-addr", "off",
+              "--control", "off", "--threads", "1", "--set", f"swarm.codec={args.codec}",
+              "--set", "swarm.heartbeat_interval=0.5", "--set", "data.batch_size=4", "--set", "data.seq_len=64",
+              "--set", "data.eval_every=0"]
+    logs = [work / "a.log", work / "b.log"]
+    procs = [subprocess.Popen([str(NODE_BIN), "start", *common], stdout=open(logs[0], "wb"), stderr=subprocess.STDOUT)]
+    samples: list[tuple[float, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append((time.time(), sum(_rss(p) for p in _tree(procs[0].pid))))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        addr = listening_address(logs[0], procs[0], 300)
+        if addr is None:
+            raise RuntimeError(f"the first host did not start:\n{log_tail(logs[0])}")
+        procs.append(subprocess.Popen([str(NODE_BIN), "start", *common, "--bootstrap", addr],
+                                      stdout=open(logs[1], "wb"), stderr=subprocess.STDOUT))
+        for p, log in zip(procs, logs):
+            if p.wait(1800) != 0:
+                raise RuntimeError(f"{log.name} exited {p.returncode}:\n{log_tail(log)}")
+    finally:
+        done.set()
+        sampler.join()
+        stop_all(procs)
+    phases = [(_stamp(d, ms) - float(s), _stamp(d, ms), int(r)) for d, ms, r, s in TRAINED.findall(logs[0].read_text())]
+    phases = [p for p in phases if p[2] > 1]  # round 1 is the warm-up
+    if not phases:
+        raise RuntimeError(f"no trained rounds in {logs[0]}")
+    start = phases[0][0]
+    train = [m for t, m in samples if any(a <= t <= b for a, b, _ in phases)]
+    rounds = [m for t, m in samples if t >= start and not any(a <= t <= b for a, b, _ in phases)]
+    return {"model": model, "ranks": ranks, "params": state_numel(model), "train_peak_mb": max(train) / 2**20,
+            "round_peak_mb": max(rounds) / 2**20 if rounds else float("nan")}
+
+
+def run(args) -> dict:
+    small, big = args.models.split(",")
+    rows, summary = [], []
+    for ranks in [int(r) for r in args.ranks.split(",")]:
+        a, b = measure(small, ranks, args), measure(big, ranks, args)
+        rows += [a, b]
+        dp = b["params"] - a["params"]
+        summary.append({"ranks": ranks,
+                        "train_bytes_per_param": (b["train_peak_mb"] - a["train_peak_mb"]) * 2**20 / dp,
+                        "round_bytes_per_param": (b["round_peak_mb"] - a["round_peak_mb"]) * 2**20 / dp,
+                        "minimum": MINIMUM_CPU})
+    notes = [f"{s['ranks']} rank(s) per host: {s['train_bytes_per_param']:.1f} host bytes per parameter while "
+             f"training, {s['round_bytes_per_param']:.1f} during a round (the design's minimum on a CPU host: "
+             f"{s['minimum']})" for s in summary]
+    return {"rows": rows, "columns": COLUMNS, "summary": summary, "notes": notes}
