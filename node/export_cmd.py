@@ -38,9 +38,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export",
         help="write the swarm's model as a Hugging Face directory",
-        description="Write the global parameters of a node's last checkpoint (DIR/latest.pt) as a\n"
-                    "Hugging Face model directory: config.json, safetensors weights and the run's\n"
-                    "tokenizer files.",
+        description="Write the global parameters of a node's last checkpoint (DIR/latest.pt, or a\n"
+                    "multi-rank host's DIR/latest-host.json and every rank's part, joined tensor by\n"
+                    "tensor) as a Hugging Face model directory: config.json, safetensors weights and\n"
+                    "the run's tokenizer files.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

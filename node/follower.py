@@ -275,9 +275,11 @@ class RankFollower:
         w, chunk = self.worker, self.config.swarm.state_chunk_bytes
 
         def build():
-            gs, params_hash = w.global_state(), w.params_hash()
-            return Snapshot.build(gs["round"], params_hash, gs["params"], gs["momentum"], chunk)
+            params_hash = w.params_hash()
+            return w.with_global_state(lambda round, params, momentum: Snapshot.build(
+                round, params_hash, params, momentum, chunk))
 
+        self.server.snapshot = None  # as rank 0 (node/loop.py publish_state): never two copies
         self.server.snapshot = await asyncio.to_thread(build)
         return {"hash": self.server.snapshot.params_hash}
 

@@ -379,12 +379,15 @@ class TrainingLoop:
         w = self.worker
         params_hash = await asyncio.to_thread(w.params_hash)
 
-        def snapshot() -> Snapshot:  # copies of the whole state: never on the event loop
+        def snapshot() -> Snapshot:  # a copy of the whole state: never on the event loop
             shards = w.shard_hashes() if hasattr(w, "shard_hashes") else ()  # a multi-rank host's
-            gs = w.global_state()
-            return Snapshot.build(gs["round"], params_hash, gs["params"], gs["momentum"],
-                                  self.swarm.config.state_chunk_bytes, shards)
+            chunk = self.swarm.config.state_chunk_bytes
+            return w.with_global_state(lambda round, params, momentum: Snapshot.build(
+                round, params_hash, params, momentum, chunk, shards))
 
+        # The last snapshot goes first: a download of it ends anyway ("moved_on"), and two
+        # copies of the state would be 16 bytes per parameter at once.
+        self.server.snapshot = None
         self.server.snapshot = await asyncio.to_thread(snapshot)
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
         self.swarm.announce(round=self.announced_round, hash=params_hash, step=w.inner_step, loss=self.status.loss,

@@ -47,7 +47,7 @@ class Snapshot:
     round: int
     params_hash: str
     shapes: list[list[int]]
-    blob: bytes
+    blob: bytes | memoryview  # fp32 values, bytes as they go on the wire
     digest: bytes
     # The blob is served in pieces of chunk_bytes; the digest of every piece lets a
     # receiver check each one as it arrives.
@@ -60,8 +60,14 @@ class Snapshot:
     @classmethod
     def build(cls, round: int, params_hash: str, params: list[torch.Tensor], momentum: list[torch.Tensor],
               chunk_bytes: int, shards: tuple[str, ...] = ()) -> "Snapshot":
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in [*params, *momentum]])
-        blob = flat.numpy().tobytes()
+        # One copy of the state, in place: the blob is a byte view of it, not another copy.
+        tensors = [*params, *momentum]
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
+        offset = 0
+        for t in tensors:
+            flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+        blob = memoryview(flat.numpy()).cast("B")
         return cls(round, params_hash, [list(p.shape) for p in params], blob, _digest(blob), chunk_bytes,
                    _chunk_digests(blob, chunk_bytes), tuple(shards))
 

@@ -316,6 +316,12 @@ class DiLoCoWorker:
                 "momentum": [m.detach().to("cpu", torch.float32, copy=True) for m in self.outer_opt.momentum_buffers()],
             }
 
+    def with_global_state(self, fn):
+        """``fn(round, params, momentum)`` on θ and the momentum themselves, under the lock: a
+        snapshot built from them without a copy in between (``global_state`` copies)."""
+        with self._lock:
+            return fn(self.round, self.global_params, self.outer_opt.momentum_buffers())
+
     @torch.no_grad()
     def load_global_state(self, state: dict) -> None:
         if not isinstance(state, dict):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint import LATEST, load_error
+from trainer.checkpoint import HOST_LATEST, LATEST, host_part_path, load_error
 
 # --dtype values and the torch dtype each writes.
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -82,8 +82,11 @@ def export_checkpoint(checkpoint_dir: str, out: str, *, dtype: str = "bf16",
         raise ValueError(f"export: max shard size must be a positive number of bytes (got {max_shard_bytes!r})")
     out = os.path.abspath(out)
     _check_out(out)
-    path = os.path.join(checkpoint_dir, LATEST)
-    ckpt = _validate(path, _load_pinned(path))
+    if os.path.exists(os.path.join(checkpoint_dir, HOST_LATEST)):  # a multi-rank host's, one part per rank
+        path, ckpt = _load_host(checkpoint_dir)
+    else:
+        path = os.path.join(checkpoint_dir, LATEST)
+        ckpt = _validate(path, _load_pinned(path))
     tokenizer_files = [] if ckpt.tokenizer_dir is None else _tokenizer_files(path, ckpt.tokenizer_dir)
 
     parent = os.path.dirname(out)
@@ -194,6 +197,78 @@ def _load_pinned(path: str) -> object:
     raise ValueError(f"export: {path}: replaced {LOAD_ATTEMPTS} times while being read; try again")
 
 
+class _Joined:
+    """A parameter of a multi-rank host's checkpoint: its ranks' shards (FSDP2's dim-0 chunks, in
+    rank order), joined only when its safetensors shard is written."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        assert parts and all(p.dim() >= 1 for p in parts)
+        self.parts = parts
+        self.shape = torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
+        self.dtype = parts[0].dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def is_floating_point(self) -> bool:
+        return all(p.is_floating_point() for p in self.parts)
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([p.to(dtype) for p in self.parts])
+
+
+def _load_host(directory: str) -> tuple[str, _Checkpoint]:
+    """Every rank's part of the host's latest complete checkpoint, memory-mapped, as one
+    checkpoint whose parameters are joined tensor by tensor as they are written. A newer
+    checkpoint that replaces it meanwhile removes its files; the maps stay valid, and a part
+    removed before it was opened makes the load start over."""
+    import json
+
+    pointer_path = os.path.join(directory, HOST_LATEST)
+    for _ in range(LOAD_ATTEMPTS):
+        try:
+            with open(pointer_path, "rb") as f:
+                pointer = json.loads(f.read(4096))
+            seq, world = int(pointer["seq"]), int(pointer["world"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"export: {pointer_path}: cannot read ({e})") from None
+        parts = []
+        try:
+            for rank in range(world):
+                part = host_part_path(directory, seq, rank)
+                try:
+                    parts.append(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
+                except FileNotFoundError:
+                    raise
+                except Exception as e:
+                    raise ValueError(f"export: {part}: cannot load: {load_error(e)}") from e
+        except FileNotFoundError:
+            continue
+        path = host_part_path(directory, seq, 0)
+        first = parts[0]
+        if not isinstance(first, dict):
+            raise ValueError(f"export: {path}: not a checkpoint part")
+        shards = []
+        for rank, part in enumerate(parts):
+            tensors = part.get("worker", {}).get("global_params") if isinstance(part, dict) else None
+            if not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
+                raise ValueError(f"export: {host_part_path(directory, seq, rank)}: worker.global_params must be "
+                                 f"a list of tensors")
+            if part.get("rank") != rank or part.get("seq") != seq:
+                raise ValueError(f"export: {host_part_path(directory, seq, rank)}: not rank {rank}'s part of "
+                                 f"checkpoint {seq}")
+            shards.append(tensors)
+        if len({len(t) for t in shards}) != 1:
+            raise ValueError(f"export: {directory}: the ranks' parts hold different numbers of parameters")
+        for i, pieces in enumerate(zip(*shards)):
+            if any(p.dim() == 0 for p in pieces) or len({tuple(p.shape[1:]) for p in pieces}) != 1:
+                raise ValueError(f"export: {directory}: the ranks' shards of parameter {i} do not fit together")
+        joined = [_Joined(list(pieces)) for pieces in zip(*shards)]
+        worker = dict(first["worker"], global_params=joined)
+        return path, _validate(path, dict(first, worker=worker))
+    raise ValueError(f"export: {directory}: replaced {LOAD_ATTEMPTS} times while being read; try again")
+
+
 def _validate(path: str, state: object) -> _Checkpoint:
     def fail(what: str) -> ValueError:
         return ValueError(f"export: {path}: {what}")
@@ -224,7 +299,7 @@ def _validate(path: str, state: object) -> _Checkpoint:
     if len(set(names)) != len(names):
         raise fail("model.param_names has duplicates")
     for name, tensor in zip(names, tensors):
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, (torch.Tensor, _Joined)):
             raise fail(f"global parameter {name} is not a tensor (got {type(tensor).__name__})")
         if not tensor.is_floating_point():
             raise fail(f"global parameter {name} is not floating point (got {tensor.dtype})")

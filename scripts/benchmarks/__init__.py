@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import (aggregate, allreduce, codecs, convergence, dataloader, join, memory, overhead, prepare, scale, trust,
-               utilization)
+from . import (aggregate, allreduce, codecs, convergence, dataloader, hostranks, join, memory, overhead, prepare, scale,
+               trust, utilization)
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "aggregate": aggregate.run,
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "codecs": codecs.run,
     "convergence": convergence.run,
     "dataloader": dataloader.run,
+    "hostranks": hostranks.run,
     "join": join.run,
     "memory": memory.run,
     "overhead": overhead.run,
@@ -36,6 +37,7 @@ ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "codecs": codecs.add_arguments,
     "convergence": convergence.add_arguments,
     "dataloader": dataloader.add_arguments,
+    "hostranks": hostranks.add_arguments,
     "join": join.add_arguments,
     "memory": memory.add_arguments,
     "overhead": overhead.add_arguments,

@@ -50,6 +50,19 @@ def live_status(node) -> dict:
     return json.loads(out.stdout)
 
 
+def check_export(out: Path, parts: list[Path]) -> None:
+    """The exported model loads, and each of its tensors is the ranks' shards end to end."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    shards = [torch.load(p, map_location="cpu", weights_only=True)["worker"]["global_params"] for p in parts]
+    params = list(model.parameters())
+    assert len(params) == len(shards[0]) and sum(p.numel() for p in params) > 0
+    for i, p in enumerate(params):
+        assert torch.equal(p.detach(), torch.cat([s[i] for s in shards])), i
+
+
 def host_parts(directory: Path) -> list[Path]:
     return sorted(directory.glob("host-*/rank*.pt"))
 
@@ -80,6 +93,13 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
     parts = host_parts(ckpt)
     assert [p.name for p in parts] == ["rank0.pt", "rank1.pt"] and len({p.parent for p in parts}) == 1, parts
     stopped_at = max(b.rounds())
+
+    # The sharded checkpoint exports as one Hugging Face model, joined tensor by tensor.
+    out = tmp_path / "export"
+    done = subprocess.run([str(BIN), "export", "--checkpoint-dir", str(ckpt), "--out", str(out), "--dtype", "fp32"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_export(out, parts)
 
     # b restarts from its sharded checkpoint; a waited for it (min-peers 2) and both go on as one.
     b2 = nodes("b2", *b_args, "--bootstrap", a.address())
