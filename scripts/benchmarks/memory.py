@@ -20,6 +20,7 @@ of round buffers: 30. On a GPU host the first 16 are on the GPUs and the goal is
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -104,10 +105,12 @@ def measure(model: str, ranks: int, args) -> dict:
         done.set()
         sampler.join()
         stop_all(procs)
-    phases = [(_stamp(d, ms) - float(s), _stamp(d, ms), int(r)) for d, ms, r, s in TRAINED.findall(logs[0].read_text())]
+    log = logs[0].read_text()
+    shutil.rmtree(work, ignore_errors=True)
+    phases = [(_stamp(d, ms) - float(s), _stamp(d, ms), int(r)) for d, ms, r, s in TRAINED.findall(log)]
     phases = [p for p in phases if p[2] > 1]  # round 1 is the warm-up
     if not phases:
-        raise RuntimeError(f"no trained rounds in {logs[0]}")
+        raise RuntimeError(f"no trained rounds in the first host's log:\n{log[-2000:]}")
     start = phases[0][0]
     train = [m for t, m in samples if any(a <= t <= b for a, b, _ in phases)]
     rounds = [m for t, m in samples if t >= start and not any(a <= t <= b for a, b, _ in phases)]
