@@ -45,9 +45,6 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def barrier(self) -> None:
-        dist.barrier()
-
 
 def launched() -> bool:
     """Whether this process is a rank started by torch.distributed.run."""

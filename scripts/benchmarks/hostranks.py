@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.swarmbench_common import SCRIPTS, log_tail, median, node_argv, read_text, state_bytes, stop_all
+from benchmarks.swarmbench_common import (SCRIPTS, cpu_seconds, log_tail, median, node_argv, process_tree, read_text,
+                                          state_bytes, stop_all)
 
 COLUMNS = ["ranks", "model", "rate", "rounds", "allreduce_s", "bound_s", "ratio", "cpu_s_per_rank_round",
            "p2pd_cpu_s_round"]
@@ -43,31 +44,6 @@ def add_arguments(group) -> None:
     group.add_argument("--rounds", type=int, default=6, help="rounds per run; round 1 is left out (default 6)")
     group.add_argument("--inner-steps", type=int, default=2, help="inner steps per round (default 2)")
     group.add_argument("--prefix", default="ghr", help="testbed name prefix (default ghr)")
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _tree(pid: int) -> list[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        found += kids
-        frontier += kids
-    return found
 
 
 def _kind(pid: int) -> str:
@@ -92,8 +68,8 @@ def run_ranks(tb, ranks: int, args, workdir: Path) -> dict:
     def sample() -> None:
         while not done.is_set():
             if procs:
-                for pid in _tree(procs[0].pid) if ranks > 1 else [procs[0].pid, *_tree(procs[0].pid)]:
-                    seconds = _cpu_seconds(pid)
+                for pid in process_tree(procs[0].pid):
+                    seconds = cpu_seconds(pid)
                     if seconds is not None:
                         kind = usage[pid][0] if pid in usage else ("rank" if ranks == 1 and pid == procs[0].pid
                                                                    else _kind(pid))

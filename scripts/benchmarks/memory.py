@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.swarmbench_common import NODE_BIN, listening_address, log_tail, state_numel, stop_all
+from benchmarks.swarmbench_common import (NODE_BIN, listening_address, log_tail, process_tree, rss_bytes, state_numel,
+                                          stop_all)
 
 COLUMNS = ["model", "ranks", "params", "train_peak_mb", "round_peak_mb"]
 TRAINED = re.compile(r"^(\S+ \S+),(\d{3}) INFO gonka\.node: trained round=(\d+) steps=\d+ seconds=([0-9.]+)", re.M)
@@ -40,33 +41,6 @@ def add_arguments(group) -> None:
     group.add_argument("--rounds", type=int, default=4, help="rounds per run, the first a warm-up (default 4)")
     group.add_argument("--inner-steps", type=int, default=3, help="inner steps per round (default 3)")
     group.add_argument("--codec", default="int8", help="the swarm's codec (default int8, with error feedback)")
-
-
-def _tree(pid: int) -> list[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, frontier = [pid], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        found += kids
-        frontier += kids
-    return found
-
-
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _stamp(date: str, ms: str) -> float:
@@ -87,7 +61,7 @@ def measure(model: str, ranks: int, args) -> dict:
 
     def sample() -> None:
         while not done.is_set():
-            samples.append((time.time(), sum(_rss(p) for p in _tree(procs[0].pid))))
+            samples.append((time.time(), sum(rss_bytes(p) for p in process_tree(procs[0].pid))))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)

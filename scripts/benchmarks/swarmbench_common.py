@@ -8,6 +8,7 @@ process by itself: each benchmark owns its processes and kills them on exit.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import sys
@@ -141,3 +142,41 @@ def stop_all(procs, grace: float = 15.0) -> None:
         except Exception:
             p.kill()
             p.wait(10)
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and every process below it, from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = [pid], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
