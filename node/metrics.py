@@ -54,6 +54,8 @@ REASONS = frozenset({
     "aborted", "silent_leader", "shunned",
     "record_malformed", "record_other_key", "record_plain_value", "record_oversized", "record_unsigned",
     "record_foreign_key", "record_far_expiry", "record_bad_signature",
+    # the ranks of a multi-rank host (node/ranks.py)
+    "rank_lost", "shard_failed",
     # why a node re-synced (node/loop.py)
     "join", "behind", "diverged",
 })
