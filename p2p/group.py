@@ -460,6 +460,15 @@ class Group:
         self.votes.setdefault(sender, value)
         self._changed.set()
 
+    async def voted(self, index: int, deadline: float) -> bool:
+        """Whether member ``index``'s vote is in, or comes in by ``deadline`` (False if not, or if
+        the group failed meanwhile)."""
+        try:
+            await self._wait(lambda: index in self.votes, deadline)
+        except RoundFailed:
+            return False
+        return True
+
     async def agreed(self, deadline: float) -> bool:
         await self._wait(lambda: len(self.votes) == len(self.members), deadline)
         return len(set(self.votes.values())) == 1

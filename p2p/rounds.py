@@ -52,6 +52,9 @@ CONTROL_REQUESTS = ("begin", "vote", "ready", "sign", "refuse")
 
 POLL_SECONDS = 0.25
 WAIT_REPORT_SECONDS = 15.0  # how often a long gather says what it is waiting for
+# A member our vote did not reach may still have voted: votes cross, so its own may arrive
+# this long after our send to it failed (see RoundProtocol._to_all).
+VOTE_GRACE_SECONDS = 2.0
 
 
 @dataclass(slots=True)
@@ -467,8 +470,22 @@ class RoundProtocol:
         return group.result
 
     async def _to_all(self, group: Group, others: list[str], header: dict, until) -> None:
-        """Send ``header`` to every other member and wait for ``until`` (all or fail)."""
-        sends = [asyncio.ensure_future(self._call(p, "vote", header)) for p in others]
+        """Send our vote to every other member and wait for ``until`` (all or fail).
+
+        A member whose vote we hold cannot fail the round here by not acknowledging ours: it
+        voted, and may have committed and died before its reply left (a member killed right
+        after its commit). Aborting then would leave the round committed by too few members to
+        certify it, and the swarm split between two rounds. Only a member we never heard from
+        (within ``VOTE_GRACE_SECONDS`` of the failure: votes cross) fails us."""
+        async def send(peer: str) -> None:
+            try:
+                await self._call(peer, "vote", header)
+            except (RoundFailed, WireError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError):
+                grace = min(group.deadline or float("inf"), asyncio.get_running_loop().time() + VOTE_GRACE_SECONDS)
+                if not await group.voted(group.members.index(peer), grace):
+                    raise
+
+        sends = [asyncio.ensure_future(send(p)) for p in others]
         await all_or_fail([*sends, asyncio.ensure_future(until)], group)
 
     async def _broadcast_abort(self, group: Group, reason: str) -> None:

@@ -23,8 +23,8 @@ from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
 from trainer.model import LoadedModel, load_model, lm_loss
 from trainer.outer import OuterOptimizer
-from trainer.parallel import (Ranks, local_optimizer_state, local_tensors, reshard_optimizer_state, resharded,
-                              shard_model)
+from trainer.parallel import (Ranks, local_optimizer_state, local_tensors, replica_slices, reshard_optimizer_state,
+                              resharded, sync_replicas, wrap_model)
 from trainer.schedule import inner_lr
 
 # outer.land_step: how often a step waiting for the round in flight checks whether to stop.
@@ -102,7 +102,7 @@ class DiLoCoWorker:
         if ranks is None:
             self.model = self.loaded.module.to(self.device)
         else:
-            self.model = shard_model(self.loaded.module, ranks, self.precision)
+            self.model = wrap_model(self.loaded.module, ranks, self.precision)
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._local()]
         if self.device.type == "cuda" and self.precision == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: fp32 range, tensor-core speed
@@ -169,10 +169,19 @@ class DiLoCoWorker:
         return self.data_cfg.batch_size * self.seq_len * (self.ranks.world if self.ranks is not None else 1)
 
     def _local(self) -> list[torch.Tensor]:
-        """The local copy's tensors θ pairs with: the whole parameters, or this rank's shards."""
+        """The local copy's tensors θ pairs with: the whole parameters, or this rank's shards
+        (FSDP2's, or its slices of a DDP replica)."""
+        if self.ranks is not None and self.ranks.mode == "ddp":
+            return replica_slices(self.model.parameters(), self.ranks)
         if self.ranks is not None:
             resharded(self.model)
         return local_tensors(self.model.parameters())
+
+    def _local_written(self) -> None:
+        """After this rank wrote its part of the local copy: DDP replicas take every rank's part
+        (a collective: every rank writes, then calls this)."""
+        if self.ranks is not None and self.ranks.mode == "ddp":
+            sync_replicas(self.model.parameters(), self.ranks)
 
     def inner_steps(self, n: int, should_stop: Callable[[], bool] | None = None) -> InnerStats:
         """Up to ``n`` AdamW steps on this worker's shard; blocking. On a multi-rank host every
@@ -217,7 +226,7 @@ class DiLoCoWorker:
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
-        if self.precision == "bf16" and self.ranks is None:  # sharded: FSDP's policy casts
+        if self.precision == "bf16" and (self.ranks is None or self.ranks.mode == "ddp"):  # FSDP's policy casts
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 return lm_loss(self.model, x, y)
         return lm_loss(self.model, x, y)
@@ -267,6 +276,7 @@ class DiLoCoWorker:
         with self._lock:
             for p, o, g in zip(self._local(), self._start(), self.global_params):
                 p.add_((g - o).to(p.device, p.dtype))
+            self._local_written()
             self.origin = [g.clone() for g in self.global_params]
             self._rebase_due = False
 
@@ -278,6 +288,7 @@ class DiLoCoWorker:
         self._settled.set()
         for g, p in zip(self.global_params, self._local()):
             p.copy_(g)
+        self._local_written()
 
     @torch.no_grad()
     def start_overlapped(self, own_delta: list[torch.Tensor]) -> None:
@@ -299,6 +310,7 @@ class DiLoCoWorker:
         with self._lock:
             for s, p in zip(start, self._local()):
                 p.copy_(s)
+            self._local_written()
             self.origin = start
             self._rebase_due = False
             self._steps_in_flight = 0
@@ -354,12 +366,14 @@ class DiLoCoWorker:
         was_training = self.model.training
         for g, p in zip(self.global_params, params):
             p.copy_(g)
+        self._local_written()
         self.model.eval()
         try:
             total = sum(self._loss(x, y).float() for x, y in self._eval_batches)
         finally:
             for p, s in zip(params, saved):
                 p.copy_(s)
+            self._local_written()
             self.model.train(was_training)
         return total.item() / len(self._eval_batches)
 
@@ -425,6 +439,7 @@ class DiLoCoWorker:
             g.copy_(t)
         for p, t in zip(self._local(), d["local_params"]):
             p.copy_(t)
+        self._local_written()
         torch.set_rng_state(d["rng_cpu"])
         if "rng_cuda" in d and self.device.type == "cuda":
             torch.cuda.set_rng_state(d["rng_cuda"], self.device)

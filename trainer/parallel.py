@@ -10,6 +10,12 @@ averages with rank k of the other hosts: no process ever holds the whole model's
 and nothing crosses between ranks at a round boundary. Shards are a function of N and the
 model only, so rank k of every host of a run (one layout, covered by the fingerprint) holds
 the same slice.
+
+With ``host.parallel = ddp`` every rank trains a whole replica under DDP (models that fit one
+device: no all-gather per block, one gradient all-reduce per step) and still keeps the outer
+state of, and syncs, only the rows FSDP2 would give it: the same slices, the same checkpoint
+parts, the same export. After a rank writes its slice of the local copy (a new θ, a loaded
+state, an evaluation) every rank broadcasts its slice to the others, so the replicas stay one.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ class Ranks:
 
     rank: int
     world: int
-    mode: str  # fsdp
+    mode: str  # fsdp | ddp
     device: torch.device
 
     @property
@@ -74,6 +80,23 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if type(m).__name__ in names]
 
 
+def wrap_model(module: nn.Module, ranks: Ranks, precision: str) -> nn.Module:
+    """The host's model over its ranks, as ``ranks.mode`` says (FSDP2 shards or DDP replicas)."""
+    if ranks.mode == "ddp":
+        return replicate_model(module, ranks)
+    return shard_model(module, ranks, precision)
+
+
+def replicate_model(module: nn.Module, ranks: Ranks) -> nn.Module:
+    """DDP over the host's ranks: a whole fp32 replica each (bf16 is the loss's autocast), and
+    no buffer broadcast per forward (the models' buffers are computed, equal on every rank)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    module.to(ranks.device)
+    ids = [ranks.device.index] if ranks.device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
+
+
 def shard_model(module: nn.Module, ranks: Ranks, precision: str) -> nn.Module:
     """FSDP2 over the host's ranks; bf16 compute with fp32 gradients reduced when asked (the
     sharded parameters themselves stay fp32). Tied embeddings are one parameter of the root."""
@@ -103,6 +126,51 @@ def local_tensors(params) -> list[torch.Tensor]:
     """This rank's part of each parameter: the local shard of a sharded one (a view that
     writes through), the parameter itself otherwise."""
     return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def rows_of(rows: int, rank: int, world: int) -> slice:
+    """The dim-0 rows of ``rows`` that ``rank`` holds: FSDP2's Shard(0) chunks (torch.chunk's
+    sizes; ranks past the last chunk hold none)."""
+    size = -(-rows // world)
+    start = min(rows, rank * size)
+    return slice(start, min(rows, start + size))
+
+
+def replica_slice(p: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``rank``'s rows of a replicated parameter: a view that writes through (a 0-d one is
+    rank 0's, as one row)."""
+    t = p.detach()
+    if t.dim() == 0:
+        t = t.view(1)
+    return t[rows_of(t.shape[0], rank, world)]
+
+
+def replica_slices(params, ranks: Ranks) -> list[torch.Tensor]:
+    """This rank's slice of each replicated parameter (what a DDP rank keeps the outer state of)."""
+    return [replica_slice(p, ranks.rank, ranks.world) for p in params]
+
+
+@torch.no_grad()
+def sync_replicas(params, ranks: Ranks) -> None:
+    """Every rank's slices to every other rank (one broadcast per rank, its slices packed):
+    after each rank wrote its own, every replica is whole and the same. A collective."""
+    params = list(params)
+    for owner in range(ranks.world):
+        views = [v for v in (replica_slice(p, owner, ranks.world) for p in params) if v.numel()]
+        if not views:
+            continue
+        dtypes = {v.dtype for v in views}
+        assert len(dtypes) == 1, f"replicated parameters of one dtype, got {dtypes}"
+        if owner == ranks.rank:
+            flat = torch.cat([v.reshape(-1) for v in views])
+        else:
+            flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+        dist.broadcast(flat, src=owner)
+        if owner != ranks.rank:
+            at = 0
+            for v in views:
+                v.copy_(flat[at:at + v.numel()].view_as(v))
+                at += v.numel()
 
 
 def local_optimizer_state(state_dict: dict) -> dict:

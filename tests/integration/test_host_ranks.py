@@ -154,3 +154,28 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
     for n in (a, c):
         assert n.wait_exit(60) == 0, n.log()[-3000:]
         wait_until(lambda: not any(alive(p) for p in n.known_children), 30, f"{n.name}'s ranks and p2pd to be gone")
+
+
+def test_two_hosts_of_two_ddp_ranks_train_on_one_hash(nodes, tmp_path):
+    """--parallel ddp: every rank a whole replica, each syncing FSDP2's rows of it; the hosts
+    commit the same rounds on one params_hash and stop by themselves at --max-rounds."""
+    ddp = [*HOST, "--parallel", "ddp", "--min-peers", "2", "--max-rounds", "2"]
+    a = nodes("a", *ddp)
+    b = nodes("b", *ddp, "--checkpoint-dir", str(tmp_path / "b-ckpt"), "--bootstrap", a.address())
+    for n in (a, b):
+        n.wait_round(1, timeout=240)
+        assert sorted(rank_pids(n)) == [0, 1]
+    for n in (a, b):
+        assert n.wait_exit(120) == 0, n.log()[-3000:]
+        wait_until(lambda: not any(alive(p) for p in n.known_children), 30, f"{n.name}'s ranks and p2pd to be gone")
+    ra, rb = a.rounds(), b.rounds()
+    assert 2 in ra and 2 in rb and ra[2] == rb[2], (ra, rb)
+    assert "members=2" in a.log() and "layout=ddpx2" in a.log()
+    # Each rank's checkpoint part holds its own rows of θ: the export joins them into the model.
+    parts = host_parts(tmp_path / "b-ckpt")
+    assert [p.name for p in parts] == ["rank0.pt", "rank1.pt"], parts
+    out = tmp_path / "export"
+    done = subprocess.run([str(BIN), "export", "--checkpoint-dir", str(tmp_path / "b-ckpt"), "--out", str(out),
+                           "--dtype", "fp32"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_export(out, parts)

@@ -29,8 +29,9 @@ def rejected(metrics: NodeMetrics, reason: str) -> float:
 
 
 async def start_peers(n: int, run: str = "t", min_peers: int = 1, codec: str = "fp32", aggregator: str = "mean",
-                      **settings):
-    """n peers of one swarm; the plain mean unless asked, so tests can compute what they expect."""
+                      protocols: dict[int, type] | None = None, **settings):
+    """n peers of one swarm; the plain mean unless asked, so tests can compute what they expect.
+    ``protocols``: peer index -> a RoundProtocol subclass that peer runs instead."""
     peers, first = [], None
     for _ in range(n):
         cfg = SwarmConfig(bootstrap=first.maddrs if first else [], min_peers=min_peers, codec=codec,
@@ -39,7 +40,7 @@ async def start_peers(n: int, run: str = "t", min_peers: int = 1, codec: str = "
         swarm = await Swarm.start(cfg, run, identity_path=None,
                                   on_reject=lambda reason, m=metrics: m.rejected_messages.labels(reason=reason).inc())
         first = first or swarm
-        rounds = RoundProtocol(swarm, metrics)
+        rounds = (protocols or {}).get(len(peers), RoundProtocol)(swarm, metrics)
         await rounds.start()
         swarm.announce(state="training", round=0, hash="h0")
         peers.append((swarm, rounds, metrics))
@@ -65,6 +66,33 @@ async def test_weighted_average_is_bit_identical_on_every_member():
                 assert torch.equal(res[k], results[0][k])
                 assert torch.allclose(res[k], expected[k], atol=1e-6)
         assert all(r.last.status == "committed" and len(r.last.members) == 3 for _, r, _ in peers)
+    finally:
+        await stop_peers(peers)
+
+
+class SilentAfterVoting(RoundProtocol):
+    """Takes every vote in and acknowledges none: what the others see of a member killed right
+    after it committed, before its replies left."""
+
+    async def _on_vote(self, sender, header, reader, writer):
+        if "abort" in header:
+            return await super()._on_vote(sender, header, reader, writer)
+        group, index = await self._group_for(sender, header)
+        group.add_vote(index, header["digest"])  # and the stream closes without a reply
+
+
+async def test_a_member_that_voted_but_never_acknowledged_ours_does_not_fail_the_round():
+    # Aborting would leave the round committed by too few members to certify it (seen with a
+    # member SIGKILLed at its commit: two of four committed, the third aborted, and the swarm
+    # stopped, split between two rounds).
+    peers = await start_peers(3, min_peers=3, protocols={2: SilentAfterVoting})
+    try:
+        torch.manual_seed(2)
+        inputs = [[torch.randn(64)] for _ in peers]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(r.average(x, 1.0, 0) for (_, r, _), x in zip(peers, inputs))), 60)
+        assert all(r.last.status == "committed" for _, r, _ in peers), [r.last for _, r, _ in peers]
+        assert all(torch.equal(res[0], results[0][0]) for res in results)
     finally:
         await stop_peers(peers)
 

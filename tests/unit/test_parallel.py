@@ -1,0 +1,89 @@
+"""A host's ranks in one process group: DDP replicas keep one model while each rank keeps the
+outer state of its own rows only (trainer/parallel.py), the rows being FSDP2's."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trainer.parallel import replica_slice, rows_of
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 64, 65])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_rows_are_fsdp2s_dim0_chunks(rows, world):
+    chunks = torch.arange(rows).chunk(world)
+    for rank in range(world):
+        got = torch.arange(rows)[rows_of(rows, rank, world)]
+        want = chunks[rank] if rank < len(chunks) else torch.arange(0)
+        assert torch.equal(got, want), (rows, world, rank)
+    # Every row is one rank's, in order: the export joins shards with torch.cat.
+    assert torch.equal(torch.cat([torch.arange(rows)[rows_of(rows, r, world)] for r in range(world)]),
+                       torch.arange(rows))
+
+
+def test_a_replica_slice_writes_through():
+    p = torch.nn.Parameter(torch.zeros(5, 3))
+    replica_slice(p, 1, 2).fill_(1.0)
+    assert p[3:].eq(1).all() and p[:3].eq(0).all()
+    scalar = torch.nn.Parameter(torch.tensor(2.0))
+    assert replica_slice(scalar, 0, 2).tolist() == [2.0] and replica_slice(scalar, 1, 2).numel() == 0
+
+
+def _ddp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
+    from trainer.data import default_corpus_paths, load_corpus
+    from trainer.diloco import DiLoCoWorker
+    from trainer.parallel import Ranks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        worker = DiLoCoWorker(model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
+                              inner=InnerConfig(lr=1e-3, warmup_steps=1, total_steps=10), outer=OuterConfig(),
+                              corpus=load_corpus(default_corpus_paths()[:5]), shard_key="host", seed=0,
+                              ranks=Ranks(rank, world, "ddp", torch.device("cpu")))
+        worker.inner_steps(2)
+        trained = [p.detach().clone() for p in worker.model.parameters()]
+        eval_loss = worker.eval_loss()  # of θ, put in the model and taken out again
+        after_eval = [p.detach().clone() for p in worker.model.parameters()]
+        delta = worker.pseudo_gradient()
+        worker.apply_outer(delta)  # our own Δ stands in for the swarm's average
+        after_outer = [p.detach().clone() for p in worker.model.parameters()]
+        torch.save({"trained": trained, "after_outer": after_outer, "after_eval": after_eval, "eval": eval_loss,
+                    "theta": [g.clone() for g in worker.global_params], "delta": delta,
+                    "moved": worker.params_hash() != worker.init_hash, "layout": worker.ranks.layout},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_keep_one_replica_and_the_outer_state_of_their_own_rows(tmp_path):
+    world = 2
+    mp.start_processes(_ddp_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                       start_method="spawn", join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    a, b = parts
+    assert a["layout"] == "ddpx2" and a["moved"] and b["moved"]
+    # DDP's gradient all-reduce kept the replicas one while each rank trained on its own batches.
+    assert all(torch.equal(x, y) for x, y in zip(a["trained"], b["trained"]))
+    # An evaluation puts θ in the model and gives every replica its trained copy back.
+    for part in parts:
+        assert all(torch.equal(x, y) for x, y in zip(part["after_eval"], part["trained"]))
+    assert a["eval"] == b["eval"]
+    for i, whole in enumerate(a["after_outer"]):
+        rows = [p["theta"][i] for p in parts]
+        # Each rank's θ and Δ are its FSDP2 rows of the parameter...
+        for r, part in enumerate(parts):
+            want = rows_of(whole.shape[0], r, world)
+            assert part["theta"][i].shape[0] == want.stop - want.start
+            assert part["delta"][i].shape == part["theta"][i].shape
+        # ...and after the outer step every replica is the whole new θ, every rank's rows in it.
+        assert torch.equal(torch.cat(rows), whole), i
+        assert torch.equal(b["after_outer"][i], whole), i
+        assert not torch.equal(whole, a["trained"][i]), i  # the local copy restarted from θ
