@@ -259,6 +259,7 @@ class RankFollower:
         if self.averaged is None:
             raise RuntimeError("no committed average to apply")
         averaged, self.averaged = self.averaged, None
+        self.server.snapshot = None  # of a state we no longer hold; rank 0 asks for the next when a joiner does
         await self.compute(self.worker.apply_outer, averaged)
         return {"hash": await self.compute(self.worker.params_hash)}
 
@@ -269,7 +270,8 @@ class RankFollower:
     # ---- state for joiners, and joining ---------------------------------------------------
 
     async def _op_publish(self, h: dict) -> dict:
-        """A new committed state: our shard's snapshot for joiners (built off the event loop)."""
+        """Our shard's snapshot of the state for joiners (built off the event loop), when rank 0
+        builds its own: when a joiner first asks for it (p2p/transfer.py)."""
         from p2p.transfer import Snapshot
 
         w, chunk = self.worker, self.config.swarm.state_chunk_bytes
@@ -308,6 +310,7 @@ class RankFollower:
         state, self.fetched = self.fetched, None
         if state is None:
             raise RuntimeError("no downloaded shard to load")
+        self.server.snapshot = None
         await self.compute(self.worker.load_global_state, state)
         return {"hash": await self.compute(self.worker.params_hash)}
 

@@ -380,15 +380,26 @@ class TrainingLoop:
         params_hash = await asyncio.to_thread(w.params_hash)
 
         def snapshot() -> Snapshot:  # a copy of the whole state: never on the event loop
+            from trainer.diloco import params_digest
+
             shards = w.shard_hashes() if hasattr(w, "shard_hashes") else ()  # a multi-rank host's
             chunk = self.swarm.config.state_chunk_bytes
-            return w.with_global_state(lambda round, params, momentum: Snapshot.build(
-                round, params_hash, params, momentum, chunk, shards))
 
-        # The last snapshot goes first: a download of it ends anyway ("moved_on"), and two
-        # copies of the state would be 16 bytes per parameter at once.
-        self.server.snapshot = None
-        self.server.snapshot = await asyncio.to_thread(snapshot)
+            def build(round, params, momentum) -> Snapshot:
+                # Built whenever a joiner first asks, so its hash is of what it holds, read under
+                # the worker's lock with it (a commit may have come since this state was published).
+                own = params_digest(params)
+                if not shards:
+                    return Snapshot.build(round, own, params, momentum, chunk)
+                from node.ranks import combined_hash
+
+                now = (own, *shards[1:])
+                return Snapshot.build(round, combined_hash(list(now)), params, momentum, chunk, now)
+
+            return w.with_global_state(build)
+
+        # Built when a joiner first asks for it (p2p/transfer.py); the last one goes now.
+        self.server.publish(snapshot)
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
         self.swarm.announce(round=self.announced_round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
                             rtok=self.round_step * self.tokens_per_step)
@@ -402,8 +413,8 @@ class TrainingLoop:
 
         zeros = [torch.zeros(s) for s in self.worker.state_shapes()]
         fake_hash = params_digest(zeros)
-        self.server.snapshot = Snapshot.build(self.announced_round, fake_hash, zeros, zeros,
-                                              self.swarm.config.state_chunk_bytes)
+        self.server.serve(Snapshot.build(self.announced_round, fake_hash, zeros, zeros,
+                                         self.swarm.config.state_chunk_bytes))
         self.swarm.announce(round=self.announced_round, hash=fake_hash)
 
     def record_inner(self, stats, phase_round: int) -> None:

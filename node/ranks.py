@@ -271,7 +271,7 @@ class HostWorker:
     # ---- state for joiners, and joining -------------------------------------------------
 
     def shard_hashes(self) -> tuple[str, ...]:
-        """Every rank builds its shard's snapshot of the state just committed (for joiners);
+        """Every rank builds its shard's snapshot of the state it holds (a joiner asked for it);
         the shards' hashes in rank order, which rank 0's snapshot lists."""
         replies = self.ranks.call("publish")
         self._took(replies)

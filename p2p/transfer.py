@@ -11,18 +11,23 @@ from all donors holding it in parallel, hands a dead donor's chunks to the
 others, and verifies the blob digest before anyone loads it (the caller then
 checks ``params_hash`` too).
 
-Serving is cheap for the donor: the snapshot is built once per round, and
-requests only slice it, so a joiner never stalls the donor's own averaging.
+Serving is cheap for the donor: the snapshot is built once per state, when a
+peer first asks for it, and requests only slice it, so a joiner never stalls
+the donor's own averaging. Built on demand, not at every commit: joins are
+rare, and a snapshot held all the time would be one more copy of θ and the
+momentum (8 bytes per parameter) on every host for nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -91,6 +96,10 @@ class StateServer:
         self.metrics = metrics
         self.commits = commits
         self.snapshot: Snapshot | None = None
+        # The state changed and its snapshot is not built yet: how to build it (off the event
+        # loop), and the build under way, if one is.
+        self._build: Callable[[], Snapshot] | None = None
+        self._building: asyncio.Future | None = None
         self.name = f"gonka.{swarm.scope}.state"
         # A multi-rank host: told who asked for the meta, before it is answered, so the other
         # ranks serve that peer their shards (node/ranks.py). Async callable(peer), or None.
@@ -98,6 +107,36 @@ class StateServer:
 
     async def start(self) -> None:
         await self.swarm.p2p.add_binary_stream_handler(self.name, self._handle)
+
+    def publish(self, build: Callable[[], Snapshot]) -> None:
+        """The state changed: its snapshot is ``build()``, run when a peer first asks for it. The
+        previous one goes now (a download of it ends with "moved_on")."""
+        self.snapshot, self._build, self._building = None, build, None
+
+    def serve(self, snapshot: Snapshot) -> None:
+        """Serve ``snapshot`` as it is."""
+        self.snapshot, self._build, self._building = snapshot, None, None
+
+    async def current(self, wait: float) -> Snapshot | None:
+        """The snapshot of the state, built now if it is not yet; None if there is none, or if
+        the build takes longer than ``wait`` (it goes on: the requester asks again)."""
+        if self.snapshot is None and self._build is not None:
+            if self._building is None:
+                build = self._build
+                self._building = asyncio.ensure_future(asyncio.to_thread(build))
+                self._building.add_done_callback(lambda task: self._built(build, task))
+            with contextlib.suppress(Exception):  # a timeout, or a failed build (logged by _built)
+                await asyncio.wait_for(asyncio.shield(self._building), wait)
+        return self.snapshot
+
+    def _built(self, build, task: asyncio.Future) -> None:
+        if self._build is not build:
+            return  # the state changed while it was built: a snapshot of nothing we hold now
+        self._building = None
+        if task.cancelled() or task.exception() is not None:
+            log.error("building the state snapshot failed: %r", None if task.cancelled() else task.exception())
+            return
+        self.snapshot, self._build = task.result(), None
 
     async def _handle(self, info, reader, writer) -> None:
         requester = info.peer_id.to_base58()
@@ -125,8 +164,9 @@ class StateServer:
         """One request: the snapshot's meta, a range of it, or our certificate chain."""
         header, _ = await read_frame(reader, self.swarm.config.request_timeout, max_header=SMALL_HEADER_BYTES,
                                      max_payload=0)
-        snap = self.snapshot
         op = hfield(header, "op", str)
+        # A meta request is where a download starts: the snapshot is built for it if need be.
+        snap = await self.current(self.swarm.config.request_timeout / 2) if op == "meta" else self.snapshot
         # Only peers that announced themselves in this run's peer table get the state.
         if requester not in self.swarm.peers and requester not in await self.swarm.refresh_peers():
             self.swarm.reject("not_in_swarm", requester[-8:])
@@ -140,8 +180,8 @@ class StateServer:
                 payload = encode_certs(certs)
             await write_frame(writer, {"ok": True, "n": len(certs)}, payload)
             await linger(reader, self.swarm.config.request_timeout)
-        elif snap is None:
-            await write_frame(writer, {"ok": False, "reason": "no_state"})
+        elif snap is None:  # none yet, or ours moved on since the requester's meta, or still building
+            await write_frame(writer, {"ok": False, "reason": "no_state" if self._build is None else "moved_on"})
         elif op == "meta":
             if self.on_meta is not None:
                 await self.on_meta(requester)

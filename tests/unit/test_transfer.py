@@ -143,3 +143,48 @@ async def test_a_description_that_does_not_fit_the_state_is_refused():
                                                             {"reason": reason}) == 1
     finally:
         await stop_peers(peers)
+
+
+async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state():
+    # A copy of θ and the momentum held every round would be 8 bytes per parameter on every
+    # host for joins that rarely come: none exists until a peer asks for the state.
+    from p2p.commits import CommitLog
+    from p2p.transfer import StateDownload, StateServer
+    from p2p.wire import WireError
+    from tests.unit.test_rounds import start_peers, stop_peers
+
+    peers = await start_peers(2)
+    try:
+        (donor, _, metrics), (joiner, _, joiner_metrics) = peers
+        server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
+        await server.start()
+        for _ in range(200):
+            if joiner.peer_id in await donor.refresh_peers():
+                break
+            await asyncio.sleep(0.05)
+        built = []
+
+        def state(round: int):
+            def build():
+                built.append(round)
+                return Snapshot.build(round, f"h{round}", [torch.full((1 << 14,), float(round))],
+                                      [torch.zeros(1 << 14)], 1 << 16)
+            return build
+
+        for r in (1, 2, 3):  # three commits, nobody asking
+            server.publish(state(r))
+        assert built == [] and server.snapshot is None
+        download = StateDownload(joiner, joiner_metrics, server.name)
+        snap = await download.run(3, "h3", [donor.peer_id], [[1 << 14]])
+        assert built == [3] and snap.unpack()["params"][0].eq(3.0).all()
+        assert await download.run(3, "h3", [donor.peer_id], [[1 << 14]])  # served from the same copy
+        assert built == [3]
+        # The state changes: the old copy goes at once; a range of it is answered "moved_on".
+        server.publish(state(4))
+        assert server.snapshot is None
+        with pytest.raises(WireError, match="moved_on"):
+            await download._request(donor.peer_id, {"op": "range", "round": 3, "hash": "h3", "offset": 0,
+                                                   "length": 1024}, max_payload=1 << 16)
+        assert (await download.meta(donor.peer_id, 4, "h4", [[1 << 14]])) is not None and built == [3, 4]
+    finally:
+        await stop_peers(peers)
