@@ -210,13 +210,16 @@ class RankFollower:
         return {"loss": await self.compute(self.worker.eval_loss)}
 
     async def _op_pseudo_gradient(self, h: dict) -> dict:
-        from p2p.compression import flatten
+        from p2p.compression import base_vector
 
         self.delta = await self.compute(self.worker.pseudo_gradient)
         numel = sum(t.numel() for t in self.delta)
         feedback = self.plane.ensure_feedback(numel)
-        self.flat = await self.compute(flatten, self.delta, self.plane.buffer("flat", numel),
-                                       feedback.residual if feedback is not None else None)
+        # The pseudo-gradient is one vector already: our groups reduce it as it is, the residual
+        # added in place (once a round: every attempt of it reduces this vector).
+        self.flat = base_vector(self.delta)
+        if feedback is not None:
+            await self.compute(self.flat.add_, feedback.residual)
         return {}
 
     async def _op_reduce(self, h: dict) -> dict:

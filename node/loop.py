@@ -175,7 +175,8 @@ class TrainingLoop:
         (``behind``: the caller re-syncs), or we are told to stop (None)."""
         r = self.worker.round
         while not self.stop_requested.is_set():
-            avg = await self.unless_stopped(self.rounds.average(delta, weight, r, state=self.status.params_hash))
+            avg = await self.unless_stopped(self.rounds.average(delta, weight, r, state=self.status.params_hash,
+                                                                donate=True))
             outcome = self.rounds.last
             if avg is not None:
                 await self.commit(avg, weight)

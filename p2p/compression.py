@@ -112,6 +112,23 @@ def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None,
     return out
 
 
+def base_vector(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The fp32 CPU vector that ``tensors`` are consecutive views of, in order and covering it
+    whole (what ``unflatten(..., copy=False)`` makes); None if they are not."""
+    if not tensors:
+        return None
+    base = tensors[0]._base
+    if (base is None or base.dim() != 1 or base.dtype != torch.float32 or base.device.type != "cpu"
+            or not base.is_contiguous()):
+        return None
+    at = base.storage_offset()
+    for t in tensors:
+        if t._base is not base or not t.is_contiguous() or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return base if at == base.storage_offset() + base.numel() else None
+
+
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor], *, copy: bool = True) -> list[torch.Tensor]:
     """``flat`` cut into tensors shaped like ``like``; ``copy=False`` returns views of ``flat``
     (for a buffer nobody else writes to, such as a round's fresh result)."""

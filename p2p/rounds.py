@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from p2p import faults, hostile
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.commits import CommitLog
-from p2p.compression import flatten, unflatten
+from p2p.compression import base_vector, flatten, unflatten
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
@@ -110,6 +111,7 @@ class RoundProtocol:
         # The other ranks' shards of a multi-rank host (node/ranks.py), reduced in the same groups.
         self.shards = None
         self._waiting: _Waiting | None = None
+        self._donated = None  # weakref to the last donated vector, its residual added (see average)
         self._waiting_set = asyncio.Event()  # set whenever a new wait for a group starts
         self._suspects: BoundedDict = BoundedDict(4096)
         self._floods: BoundedDict = BoundedDict(4096)  # peer -> when its last flood strike was given
@@ -165,15 +167,29 @@ class RoundProtocol:
         return self.plane.ensure_feedback(numel)
 
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int, *,
-                      state: str = "") -> list[torch.Tensor] | None:
+                      state: str = "", donate: bool = False) -> list[torch.Tensor] | None:
         """Average with the members of ``round`` that hold the same state (``state``, its
-        params_hash: two lineages of one round number never mix in one group)."""
+        params_hash: two lineages of one round number never mix in one group).
+
+        ``donate``: the tensors are views of one vector (``compression.base_vector``) that the
+        round may use as its buffer, error feedback's residual added in place (once: an attempt
+        again with the same tensors sends what the first one did), instead of a copy of it."""
         numel = sum(t.numel() for t in tensors)
         feedback = self.ensure_feedback(numel)
-        # A copy of ~4 bytes per parameter, error feedback's residual added on the way: not on the event loop.
-        flat = await off_loop(flatten, tensors, self.plane.buffer("flat", numel),
-                              feedback.residual if feedback is not None else None)
-        if self.hostile.any:
+        residual = feedback.residual if feedback is not None else None
+        flat = base_vector(tensors) if donate else None
+        if flat is None:
+            # A copy of ~4 bytes per parameter, the residual added on the way: not on the event loop.
+            flat = await off_loop(flatten, tensors, self.plane.buffer("flat", numel), residual)
+            fresh = True
+        else:
+            fresh = self._donated is None or self._donated() is not flat
+            if fresh:
+                # Noted first: a cancelled wait does not stop the thread from adding it.
+                self._donated = weakref.ref(flat)
+                if residual is not None:
+                    await off_loop(flat.add_, residual)
+        if self.hostile.any and fresh:
             await off_loop(_hostile_input, flat, self.hostile)
         started = time.monotonic()
         loop = asyncio.get_running_loop()

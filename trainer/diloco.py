@@ -235,9 +235,19 @@ class DiLoCoWorker:
 
     @torch.no_grad()
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """Δ = start − θ_local, fp32 on CPU; the start is θ unless rounds overlap."""
+        """Δ = start − θ_local, fp32 on CPU; the start is θ unless rounds overlap. The tensors are
+        consecutive views of one vector, which the swarm's round can take as its buffer as it is
+        (``average(..., donate=True)``) instead of copying it."""
         self._rebase_if_due()
-        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self._start(), self._local())]
+        start, local = self._start(), self._local()
+        flat = torch.empty(sum(g.numel() for g in start), dtype=torch.float32)
+        delta, at = [], 0
+        for g, p in zip(start, local):
+            d = flat[at : at + g.numel()].view_as(g)
+            torch.sub(g, p.detach().to("cpu", torch.float32), out=d)
+            delta.append(d)
+            at += g.numel()
+        return delta
 
     def _wait_settled(self, should_stop: Callable[[], bool] | None) -> bool:
         """outer.land_step: wait for the round in flight to commit (or give up); False if told to stop."""

@@ -442,3 +442,63 @@ async def test_members_sign_the_committed_round_into_a_certificate_that_holds():
             assert rejected(m, "bad_certificate") == 0
     finally:
         await stop_peers(peers)
+
+
+def _views(vector: torch.Tensor, shapes) -> list[torch.Tensor]:
+    out, at = [], 0
+    for shape in shapes:
+        n = int(torch.tensor(shape).prod())
+        out.append(vector[at : at + n].view(shape))
+        at += n
+    return out
+
+
+def test_base_vector_is_found_only_for_consecutive_views_covering_it():
+    from p2p.compression import base_vector
+
+    v = torch.zeros(30)
+    assert base_vector(_views(v, [(4, 5), (10,)])) is v
+    assert base_vector(_views(v, [(4, 5)])) is None  # not all of it
+    assert base_vector(list(reversed(_views(v, [(4, 5), (10,)])))) is None  # out of order
+    assert base_vector([torch.zeros(3), torch.zeros(2)]) is None and base_vector([]) is None
+    assert base_vector(_views(torch.zeros(30, dtype=torch.float64), [(30,)])) is None
+
+
+async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_residual_once():
+    # The round reduces the caller's vector itself (no copy of 4 bytes per parameter); an
+    # attempt again with the same tensors after an abort must not add the residual twice.
+    peers = await start_peers(3, min_peers=3, codec="int8")
+    try:
+        shapes = [(40, 30), (17,)]
+        torch.manual_seed(3)
+        vectors = [torch.randn(1217) for _ in peers]
+        mean = sum(vectors) / 3
+        results = await asyncio.wait_for(asyncio.gather(
+            *(r.average(_views(v, shapes), 1.0, 0, donate=True) for (_, r, _), v in zip(peers, vectors))), 60)
+        assert all(res is not None for res in results), [r.last for _, r, _ in peers]
+        flat = [torch.cat([t.reshape(-1) for t in res]) for res in results]
+        assert all(torch.equal(f, flat[0]) for f in flat) and torch.allclose(flat[0], mean, atol=0.05)
+        assert all("flat" not in r.plane._buffers for _, r, _ in peers)  # no copy was made
+        (sa, a, _), *_ = peers
+        residual = a.feedback.residual.clone()
+        assert residual.abs().sum() > 0
+        for s, _, _ in peers:
+            s.announce(state="training", round=1)
+        mine = torch.randn(1217)
+        before = mine.clone()
+        tensors = _views(mine, shapes)
+        alone = asyncio.ensure_future(a.average(tensors, 1.0, 1, donate=True))  # waits for the others...
+        for _ in range(600):
+            if a._waiting is not None:  # its input is ready: it waits for a group
+                break
+            await asyncio.sleep(0.05)
+        alone.cancel()  # ...and ends without a group; the same tensors go again
+        await asyncio.gather(alone, return_exceptions=True)
+        others = [torch.randn(1217) for _ in peers[1:]]
+        results = await asyncio.wait_for(asyncio.gather(
+            a.average(tensors, 1.0, 1, donate=True),
+            *(r.average(_views(v, shapes), 1.0, 1, donate=True) for (_, r, _), v in zip(peers[1:], others))), 60)
+        assert all(res is not None for res in results), [r.last for _, r, _ in peers]
+        assert torch.equal(mine, before + residual)  # added once, over two attempts
+    finally:
+        await stop_peers(peers)

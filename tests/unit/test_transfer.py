@@ -69,6 +69,22 @@ def test_heartbeat_validation_rejects_garbage():
         parse_peer_record("short", {"state": "ready", "round": 1, "hash": ""})
 
 
+async def serving(peers):
+    """A state server on the first of ``peers``, once the second is in its run's table (a donor
+    serves only peers it sees there); (server, a download for the second)."""
+    from p2p.commits import CommitLog
+    from p2p.transfer import StateDownload, StateServer
+
+    (donor, _, metrics), (joiner, _, joiner_metrics) = peers
+    server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
+    await server.start()
+    for _ in range(200):
+        if joiner.peer_id in await donor.refresh_peers():
+            break
+        await asyncio.sleep(0.05)
+    return server, StateDownload(joiner, joiner_metrics, server.name)
+
+
 def test_snapshot_round_trip_and_chunk_digests():
     params = [torch.randn(3, 4), torch.randn(5)]
     momentum = [torch.randn(3, 4), torch.randn(5)]
@@ -82,25 +98,17 @@ def test_snapshot_round_trip_and_chunk_digests():
 async def test_a_state_of_more_chunks_than_a_header_holds_is_described_in_full():
     # 16 bytes of digest a chunk: past ~4,000 chunks (about 1.9B parameters at the default
     # 4 MiB) they no longer fit a 64 KiB header; the joiner heard only "no donor serves".
-    from p2p.commits import CommitLog
     from p2p.config import MIN_STATE_CHUNK_BYTES as MIN_CHUNK_BYTES
-    from p2p.transfer import StateDownload, StateServer
     from tests.unit.test_rounds import start_peers, stop_peers
 
     peers = await start_peers(2)
     try:
-        (donor, _, metrics), (joiner, _, joiner_metrics) = peers
-        server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
-        await server.start()
+        donor = peers[0][0]
+        server, download = await serving(peers)
         numel = 4200 * MIN_CHUNK_BYTES // 8  # 4200 chunks of θ and momentum
         shapes = [[numel]]
         server.snapshot = Snapshot.build(3, "g", [torch.arange(numel, dtype=torch.float32)], [torch.ones(numel)],
                                          MIN_CHUNK_BYTES)
-        for _ in range(200):  # it serves peers it sees in the run's table only
-            if joiner.peer_id in await donor.refresh_peers():
-                break
-            await asyncio.sleep(0.05)
-        download = StateDownload(joiner, joiner_metrics, server.name)
         digest, chunk, digests, shards = await download.meta(donor.peer_id, 3, "g", shapes)
         assert shards == ()
         assert (digest, chunk, list(digests)) == (server.snapshot.digest, MIN_CHUNK_BYTES, server.snapshot.chunk_digests)
@@ -115,23 +123,15 @@ async def test_a_description_that_does_not_fit_the_state_is_refused():
     # sends grows past the bound the joiner reads): refused as bad_state_meta, never used.
     import dataclasses
 
-    from p2p.commits import CommitLog
-    from p2p.transfer import StateDownload, StateServer
     from p2p.wire import WireError
     from tests.unit.test_rounds import start_peers, stop_peers
 
     peers = await start_peers(2)
     try:
-        (donor, _, metrics), (joiner, _, joiner_metrics) = peers
-        server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
-        await server.start()
-        for _ in range(200):
-            if joiner.peer_id in await donor.refresh_peers():
-                break
-            await asyncio.sleep(0.05)
+        (donor, _, _), (_, _, joiner_metrics) = peers
+        server, download = await serving(peers)
         params, momentum = [torch.ones(1 << 16)], [torch.zeros(1 << 16)]
         honest = Snapshot.build(3, "g", params, momentum, 1 << 16)
-        download = StateDownload(joiner, joiner_metrics, server.name)
         for lie, reason in ((dataclasses.replace(honest, chunk_digests=honest.chunk_digests[:-1]), "bad_state_meta"),
                             (Snapshot.build(3, "g", params, momentum, 1024), "oversized_payload")):
             server.snapshot = lie
@@ -148,20 +148,13 @@ async def test_a_description_that_does_not_fit_the_state_is_refused():
 async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state():
     # A copy of θ and the momentum held every round would be 8 bytes per parameter on every
     # host for joins that rarely come: none exists until a peer asks for the state.
-    from p2p.commits import CommitLog
-    from p2p.transfer import StateDownload, StateServer
     from p2p.wire import WireError
     from tests.unit.test_rounds import start_peers, stop_peers
 
     peers = await start_peers(2)
     try:
-        (donor, _, metrics), (joiner, _, joiner_metrics) = peers
-        server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
-        await server.start()
-        for _ in range(200):
-            if joiner.peer_id in await donor.refresh_peers():
-                break
-            await asyncio.sleep(0.05)
+        donor = peers[0][0]
+        server, download = await serving(peers)
         built = []
 
         def state(round: int):
@@ -174,7 +167,6 @@ async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state
         for r in (1, 2, 3):  # three commits, nobody asking
             server.publish(state(r))
         assert built == [] and server.snapshot is None
-        download = StateDownload(joiner, joiner_metrics, server.name)
         snap = await download.run(3, "h3", [donor.peer_id], [[1 << 14]])
         assert built == [3] and snap.unpack()["params"][0].eq(3.0).all()
         assert await download.run(3, "h3", [donor.peer_id], [[1 << 14]])  # served from the same copy
