@@ -24,7 +24,7 @@ from trainer.fingerprint import Fingerprint, run_fingerprint
 from trainer.model import LoadedModel, load_model, lm_loss
 from trainer.outer import OuterOptimizer
 from trainer.parallel import (Ranks, local_optimizer_state, local_tensors, replica_slices, reshard_optimizer_state,
-                              resharded, sync_replicas, wrap_model)
+                              resharded, shard_model, sync_replicas, wrap_model)
 from trainer.schedule import inner_lr
 
 # outer.land_step: how often a step waiting for the round in flight checks whether to stop.
@@ -90,17 +90,23 @@ class DiLoCoWorker:
         self.model_cfg, self.data_cfg, self.inner_cfg = model, data, inner
         self.ranks = ranks
         self.device = ranks.device if ranks is not None else torch.device(device)
+        self.precision = inner.precision if inner.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         # Same seed (or the same pretrained weights) on every peer: the swarm starts from one θ
         # with no download. ``loaded`` lets a caller that already built the model hand it over.
-        self.loaded = loaded if loaded is not None else load_model(model, seed)
+        # FSDP ranks shard it as it is built: a rank never holds the whole of a random init.
+        sharded = ranks is not None and ranks.mode == "fsdp" and loaded is None
+        if loaded is None:
+            loaded = load_model(model, seed, shard=(lambda m: shard_model(m, ranks, self.precision)) if sharded else None)
+        self.loaded = loaded
         self.seq_len = data.seq_len or self.loaded.context
         if self.seq_len > self.loaded.context:
             raise ValueError(f"data.seq_len: {self.seq_len} exceeds the context of {model.source} "
                              f"({self.loaded.context} positions)")
         _check_vocab(corpus, self.loaded)
-        self.precision = inner.precision if inner.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         if ranks is None:
             self.model = self.loaded.module.to(self.device)
+        elif sharded:
+            self.model = self.loaded.module
         else:
             self.model = wrap_model(self.loaded.module, ranks, self.precision)
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._local()]

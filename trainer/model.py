@@ -11,6 +11,11 @@ the architecture, but its normal draws come from a generator seeded by the run
 seed through ``seeded_normal_`` (torch's float32 ``normal_`` gives other bits
 under AVX2 than without), in the model's own traversal order. Pretrained
 weights are loaded from safetensors only and must cover the config exactly.
+
+A rank of a sharded host never holds the whole randomly initialised model: its
+parameters are built on the meta device, sharded (``shard``), and each rank
+fills only its rows of each parameter, drawing that one parameter whole (in the
+same order, so the bits are those of the unsharded init) and dropping it.
 """
 
 from __future__ import annotations
@@ -104,6 +109,45 @@ def _weight_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded parameter (a DTensor), the parameter itself otherwise."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside keep their parameters on the meta device (no memory) and their
+    buffers where they are computed (small, and the model's own values)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _rows_only(fill):
+    """``fill(tensor, ...)`` for a sharded parameter too: the whole parameter drawn (the same
+    draws as unsharded, in the same order), this rank's rows kept (FSDP2's dim-0 chunks)."""
+    def sharded_fill(tensor, *args, **kwargs):
+        if not hasattr(tensor, "to_local"):
+            return fill(tensor, *args, **kwargs)
+        whole = fill(torch.empty(tensor.shape, dtype=tensor.dtype), *args, **kwargs)
+        from trainer.parallel import rows_of
+
+        mesh = tensor.device_mesh
+        tensor.to_local().copy_(whole[rows_of(tensor.shape[0], mesh.get_local_rank(), mesh.size())])
+        return tensor
+
+    return sharded_fill
+
+
 @contextlib.contextmanager
 def _seeded_init(draw_from: torch.Generator, seed: int):
     """transformers' init functions, with normal and uniform draws from ``draw_from`` (bits
@@ -113,20 +157,40 @@ def _seeded_init(draw_from: torch.Generator, seed: int):
 
     from trainer.determinism import seeded_normal_
 
+    @_rows_only
+    def draw_normal(tensor, mean, std):
+        return seeded_normal_(tensor, std, draw_from, mean=mean)
+
+    @_rows_only
+    def draw_uniform(tensor, a, b):
+        # float64 uniform_ is k * 2^-53 (integer arithmetic); one multiply and one add,
+        # each rounded, then one rounding to the tensor's dtype.
+        u = torch.empty(tensor.shape, dtype=torch.float64).uniform_(generator=draw_from)
+        return tensor.copy_(torch.add(torch.mul(u, float(b) - float(a)), float(a)))
+
+    # A tied pair is one parameter when the model was tied before its init (a sharded build):
+    # its second draw is taken and dropped, as the unsharded init's tie drops the second copy.
+    drawn: dict[int, torch.Tensor] = {}  # by id, each kept alive so that no id is reused
+
+    def target(tensor):
+        if id(tensor) not in drawn:
+            drawn[id(tensor)] = tensor
+            return tensor
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+
     def normal_(tensor, mean=0.0, std=1.0, generator=None):
         if getattr(tensor, "_is_hf_initialized", False):
             return tensor
         with torch.no_grad():
-            return seeded_normal_(tensor, std, draw_from, mean=mean)
+            draw_normal(target(tensor), mean, std)
+            return tensor
 
     def uniform_(tensor, a=0.0, b=1.0, generator=None):
         if getattr(tensor, "_is_hf_initialized", False):
             return tensor
         with torch.no_grad():
-            # float64 uniform_ is k * 2^-53 (integer arithmetic); one multiply and one add,
-            # each rounded, then one rounding to the tensor's dtype.
-            u = torch.empty(tensor.shape, dtype=torch.float64).uniform_(generator=draw_from)
-            return tensor.copy_(torch.add(torch.mul(u, float(b) - float(a)), float(a)))
+            draw_uniform(target(tensor), a, b)
+            return tensor
 
     originals = init.normal_, init.uniform_
     init.normal_, init.uniform_ = normal_, uniform_
@@ -140,27 +204,34 @@ def _seeded_init(draw_from: torch.Generator, seed: int):
         init.normal_, init.uniform_ = originals
 
 
-def _random_model(config, seed: int) -> nn.Module:
+def _empty_model(config, *, on_meta: bool) -> nn.Module:
+    """The architecture allocated without initialising (buffers such as rotary frequencies are
+    still computed by the modules); ``on_meta``: its parameters on the meta device, tied."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    # Allocate without initialising (buffers such as rotary frequencies are still
-    # computed by the modules), then initialise once, deterministically.
-    with no_init_weights():
+    with no_init_weights(), (_parameters_on_meta() if on_meta else contextlib.nullcontext()):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    if on_meta:
+        model.tie_weights()  # a tied pair is one parameter before it is sharded
+    return model
+
+
+def _initialise(model: nn.Module, seed: int, *, sharded: bool) -> None:
+    """Random init, once, deterministically (on a sharded model: each rank its rows)."""
     with torch.no_grad():
         for p in model.parameters():
-            p.fill_(float("nan"))  # whatever the init scheme misses must show, not be garbage memory
+            _local(p).fill_(float("nan"))  # whatever the init scheme misses must show, not be garbage memory
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     with _seeded_init(generator, seed):
         model.initialize_weights()
-    model.tie_weights()
-    missed = [name for name, p in model.named_parameters() if torch.isnan(p).any()]
+    if not sharded:
+        model.tie_weights()
+    missed = [name for name, p in model.named_parameters() if torch.isnan(_local(p)).any()]
     if missed:
         raise ValueError(f"model.init: random init of {type(model).__name__} leaves {len(missed)} parameters "
                          f"uninitialised ({', '.join(missed[:3])}); use model.init = pretrained")
-    return model
 
 
 def _pretrained_model(path: str) -> nn.Module:
@@ -225,17 +296,19 @@ def _shape_mismatches(path: str) -> str:
     return f"{len(wrong)} tensors of another shape ({'; '.join(wrong[:2])}{'; ...' if len(wrong) > 2 else ''})" if wrong else ""
 
 
-def load_model(cfg: ModelConfig, seed: int) -> LoadedModel:
-    """The configured model on the CPU in fp32, in train mode."""
+def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
+    """The configured model on the CPU in fp32, in train mode. ``shard(module) -> module``: a
+    multi-rank host's sharding (trainer/parallel.py), applied before a random init, so that a
+    rank only ever holds its own rows of it (pretrained weights are still loaded whole first)."""
     path = cfg.hf_path
     if path is None:
         config, tokenizer_dir = preset_config(cfg.source), None
-        module = _random_model(config, seed)
     else:
         path = os.path.abspath(path)
         config = read_hf_config(path)
         tokenizer_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-        module = _pretrained_model(path) if cfg.init in ("auto", "pretrained") else _random_model(config, seed)
+    random = path is None or cfg.init not in ("auto", "pretrained")
+    module = _empty_model(config, on_meta=shard is not None) if random else _pretrained_model(path)
     module.train()
     if cfg.activation_checkpointing:
         if not getattr(module, "supports_gradient_checkpointing", False):
@@ -244,6 +317,10 @@ def load_model(cfg: ModelConfig, seed: int) -> LoadedModel:
             module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if shard is not None:
+        module = shard(module)
+    if random:
+        _initialise(module, seed, sharded=shard is not None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if not isinstance(context, int) or context < 2:

@@ -104,12 +104,20 @@ def shard_model(module: nn.Module, ranks: Ranks, precision: str) -> nn.Module:
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
-    module.to(ranks.device)
+    on_meta = any(p.is_meta for p in module.parameters())
+    buffers = {name: b for name, b in module.named_buffers()}
+    if not on_meta:
+        module.to(ranks.device)
     for block in _blocks(module):
         fully_shard(block, mp_policy=policy)
     # The root too gives its parameters back after a forward: an evaluation (no backward) must
     # leave every parameter sharded, as the outer state pairs with the shards.
     fully_shard(module, mp_policy=policy, reshard_after_forward=True)
+    if on_meta:  # each rank allocates its shards only (the caller fills them); buffers keep their values
+        module.to_empty(device=ranks.device)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
     return module
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import (aggregate, allreduce, codecs, convergence, dataloader, hostranks, join, memory, overhead, prepare, scale,
-               trust, utilization)
+from . import (aggregate, allreduce, codecs, convergence, dataloader, gpu, hostranks, join, memory, overhead, prepare,
+               scale, trust, utilization)
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "aggregate": aggregate.run,
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "codecs": codecs.run,
     "convergence": convergence.run,
     "dataloader": dataloader.run,
+    "gpu": gpu.run,
     "hostranks": hostranks.run,
     "join": join.run,
     "memory": memory.run,
@@ -37,6 +38,7 @@ ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "codecs": codecs.add_arguments,
     "convergence": convergence.add_arguments,
     "dataloader": dataloader.add_arguments,
+    "gpu": gpu.add_arguments,
     "hostranks": hostranks.add_arguments,
     "join": join.add_arguments,
     "memory": memory.add_arguments,

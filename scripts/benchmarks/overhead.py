@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 NODE_BIN = Path(sys.executable).with_name("gonka-node")
 TRAINED = re.compile(r"trained round=(\d+) steps=(\d+) seconds=([0-9.]+)")
 COLUMNS = ["pair", "node_tokens_per_s", "bare_tokens_per_s", "ratio"]
+CHUNK = re.compile(r"chunk=(\d+) steps=(\d+) seconds=([0-9.]+)")
+# The model both train: a small Qwen2 with tied embeddings (tests/hf_models.py's keywords).
+MODEL = dict(arch="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
 
 BARE_LOOP = r"""
 import sys, time, numpy as np, torch, torch.nn.functional as F
@@ -77,8 +81,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence (default 128)")
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
-    """A tokenizer trained on standard-library sources, a Qwen2 model directory, and token shards."""
+def prepare(work: Path, model: dict | None = None, model_dir: Path | None = None) -> tuple[Path, Path]:
+    """A tokenizer trained on standard-library sources, a model directory with random weights
+    (``model``: an architecture and config keywords for tests/hf_models.py, default ``MODEL``),
+    and token shards of those sources. With ``model_dir``, that existing directory (and its own
+    tokenizer) instead of a new one."""
     sys.path.insert(0, str(ROOT))
     from tests.hf_fixtures import build_tokenizer
     from tests.hf_models import build_model_dir
@@ -90,39 +97,68 @@ def prepare(work: Path) -> tuple[Path, Path]:
     text_dir.mkdir()
     for i, text in enumerate(texts):
         (text_dir / f"{i:04d}.py").write_text(text)
-    tokenizer = build_tokenizer(str(work / "tokenizer"), texts[:100], vocab_size=2048)
-    model = Path(build_model_dir(work / "model", "qwen2", tokenizer_dir=tokenizer, vocab_size=2048, hidden_size=256,
-                                 intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                                 num_key_value_heads=4, max_position_embeddings=256))
+    if model_dir is None:
+        config = dict(model or MODEL)
+        arch = config.pop("arch")
+        tokenizer = build_tokenizer(str(work / "tokenizer"), texts[:100], vocab_size=config["vocab_size"])
+        model_dir = Path(build_model_dir(work / "model", arch, tokenizer_dir=tokenizer, **config))
     data = work / "data"
-    subprocess.run([str(NODE_BIN), "prepare-data", "--tokenizer", str(model), "--out", str(data), str(text_dir)],
+    subprocess.run([str(NODE_BIN), "prepare-data", "--tokenizer", str(model_dir), "--out", str(data), str(text_dir)],
                    check=True, capture_output=True, timeout=600)
-    return model, data
+    return model_dir, data
+
+
+def node_command(model: Path, data: Path, *, run_id: str, steps: int, rounds: int, threads: int, batch: int, seq: int,
+                 precision: str, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """`gonka-node start` of one peer alone (its rounds commit without a swarm), no evaluation,
+    no warm-up of the learning rate; ``extra``: more flags at the end."""
+    return [str(NODE_BIN), "start", "--run-id", run_id, "--model", f"hf:{model}", "--data", str(data),
+            "--inner-steps", str(steps), "--max-rounds", str(rounds), "--threads", str(threads),
+            "--metrics-addr", "off", "--control", "off", "--set", f"data.batch_size={batch}",
+            "--set", f"data.seq_len={seq}", "--set", "data.eval_every=0", "--set", "inner.warmup_steps=0",
+            "--set", f"inner.precision={precision}", *extra]
+
+
+def run_node(cmd: list[str]) -> str:
+    """Run a node to its end; its log (stderr)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"gonka-node failed ({out.returncode}): {out.stderr[-2000:]}")
+    return out.stderr
+
+
+def trained_rates(log: str, batch: int, seq: int) -> list[float]:
+    """Tokens/s of each ``trained`` line of a node log after round 1 (the warm-up)."""
+    found = [(int(r), int(s), float(sec)) for r, s, sec in TRAINED.findall(log)]
+    return [s * batch * seq / sec for r, s, sec in found if r > 1]
 
 
 def node_rate(work: Path, model: Path, data: Path, args, steps: int, rounds: int, tag: str) -> float:
     ckpt = work / f"node-{tag}"
-    cmd = [str(NODE_BIN), "start", "--run-id", f"overhead-{tag}", "--model", f"hf:{model}", "--data", str(data),
-           "--inner-steps", str(steps), "--max-rounds", str(rounds), "--threads", str(args.threads),
-           "--metrics-addr", "off", "--control", "off", "--set", f"data.batch_size={args.batch}",
-           "--set", f"data.seq_len={args.seq}", "--set", "data.eval_every=0", "--set", "inner.warmup_steps=0",
-           "--set", "inner.precision=fp32", "--checkpoint-dir", str(ckpt)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    cmd = node_command(model, data, run_id=f"overhead-{tag}", steps=steps, rounds=rounds, threads=args.threads,
+                       batch=args.batch, seq=args.seq, precision="fp32", extra=["--checkpoint-dir", str(ckpt)])
+    return statistics.median(trained_rates(run_node(cmd), args.batch, args.seq))
+
+
+def run_script(script: str, argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run a bare loop (``python -c script argv...``, the repository importable) to its end; its stdout."""
+    out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=1800, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     if out.returncode != 0:
-        raise RuntimeError(f"gonka-node failed ({out.returncode}): {out.stderr[-2000:]}")
-    found = [(int(r), int(s), float(sec)) for r, s, sec in TRAINED.findall(out.stderr)]
-    timed = [s * args.batch * args.seq / sec for r, s, sec in found if r > 1]
-    return statistics.median(timed)
+        raise RuntimeError(f"bare loop failed: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def chunk_rates(stdout: str, batch: int, seq: int) -> list[float]:
+    """Tokens/s of each ``chunk=`` line of a bare loop after chunk 0 (the warm-up)."""
+    found = [(int(c), int(s), float(sec)) for c, s, sec in CHUNK.findall(stdout)]
+    return [s * batch * seq / sec for c, s, sec in found if c > 0]
 
 
 def bare_rate(model: Path, data: Path, args, steps: int, chunks: int) -> float:
-    out = subprocess.run([sys.executable, "-c", BARE_LOOP, str(model), str(data), str(args.batch), str(args.seq),
-                          str(steps), str(chunks), str(args.threads), "1e-3"],
-                         capture_output=True, text=True, timeout=1800, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if out.returncode != 0:
-        raise RuntimeError(f"bare loop failed: {out.stderr[-2000:]}")
-    found = [(int(c), int(s), float(sec)) for c, s, sec in re.findall(r"chunk=(\d+) steps=(\d+) seconds=([0-9.]+)", out.stdout)]
-    return statistics.median(s * args.batch * args.seq / sec for c, s, sec in found if c > 0)
+    stdout = run_script(BARE_LOOP, [str(model), str(data), str(args.batch), str(args.seq), str(steps), str(chunks),
+                                    str(args.threads), "1e-3"])
+    return statistics.median(chunk_rates(stdout, args.batch, args.seq))
 
 
 def run(args: argparse.Namespace) -> dict:

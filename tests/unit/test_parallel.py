@@ -87,3 +87,45 @@ def test_ddp_ranks_keep_one_replica_and_the_outer_state_of_their_own_rows(tmp_pa
         assert torch.equal(torch.cat(rows), whole), i
         assert torch.equal(b["after_outer"][i], whole), i
         assert not torch.equal(whole, a["trained"][i]), i  # the local copy restarted from θ
+
+
+def _fsdp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
+    from trainer.data import default_corpus_paths, load_corpus
+    from trainer.diloco import DiLoCoWorker
+    from trainer.parallel import Ranks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        worker = DiLoCoWorker(model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
+                              inner=InnerConfig(), outer=OuterConfig(), corpus=load_corpus(default_corpus_paths()[:5]),
+                              shard_key="host", seed=7, ranks=Ranks(rank, world, "fsdp", torch.device("cpu")))
+        buffers = {n: b.clone() for n, b in worker.model.named_buffers()}
+        loss = worker.eval_loss()
+        torch.save({"theta": [g.clone() for g in worker.global_params], "buffers": buffers, "loss": loss},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_ranks_initialise_only_their_rows_with_the_bits_of_the_unsharded_init(tmp_path):
+    # Built on the meta device and sharded first, each rank draws one parameter at a time and
+    # keeps its rows: no rank holds the whole model, and θ is what one process would build.
+    from trainer.config import ModelConfig
+    from trainer.model import load_model
+
+    world = 2
+    mp.start_processes(_fsdp_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                       start_method="spawn", join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    whole = load_model(ModelConfig(source="tiny"), 7).module
+    params = list(whole.parameters())
+    assert len(params) == len(parts[0]["theta"])
+    for i, p in enumerate(params):
+        assert torch.equal(torch.cat([part["theta"][i] for part in parts]), p.detach()), i
+    for name, b in whole.named_buffers():  # computed buffers (rotary frequencies) as built, not left empty
+        assert all(torch.equal(part["buffers"][name], b) for part in parts), name
+    assert parts[0]["loss"] == parts[1]["loss"] and 5.0 < parts[0]["loss"] < 6.0  # an untrained byte model: ~ln 256
