@@ -265,6 +265,55 @@ def _pretrained_model(path: str) -> nn.Module:
     return model
 
 
+def _weight_index(path: str, model: nn.Module) -> dict[str, str] | None:
+    """Parameter name -> the safetensors file holding it, if the files hold exactly the (meta)
+    model's parameters under its own names, with its shapes (a tied pair once or under both
+    names); None otherwise: a checkpoint transformers renames or converts on load, or one that
+    does not fit, which ``_pretrained_model`` loads whole (and refuses by name)."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    where: dict[str, str] = {}
+    try:
+        for file in _weight_files(path):
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    if key in aliases:
+                        continue
+                    p = params.get(key)
+                    if p is None or p.dim() == 0 or tuple(f.get_slice(key).get_shape()) != tuple(p.shape):
+                        return None
+                    where[key] = file
+    except Exception:
+        return None
+    return where if set(where) == set(params) else None
+
+
+@torch.no_grad()
+def _load_rows(model: nn.Module, where: dict[str, str]) -> None:
+    """Each sharded parameter's rows of this rank, read from its safetensors file (a slice of
+    the memory-mapped tensor: the rest of it is never read)."""
+    from safetensors import safe_open
+
+    from trainer.parallel import rows_of
+
+    by_file: dict[str, list[str]] = {}
+    for name, file in where.items():
+        by_file.setdefault(file, []).append(name)
+    params = dict(model.named_parameters())
+    for file, names in by_file.items():
+        with safe_open(file, "pt") as f:
+            for name in names:
+                p = params[name]
+                local = _local(p)
+                if hasattr(p, "device_mesh"):
+                    rows = rows_of(p.shape[0], p.device_mesh.get_local_rank(), p.device_mesh.size())
+                else:
+                    rows = slice(0, p.shape[0])
+                local.copy_(f.get_slice(name)[rows.start : rows.stop].to(local.dtype))
+
+
 def check_source(cfg: ModelConfig) -> None:
     """The cheap checks of an hf: source (config, weights present), to fail before anything starts."""
     path = cfg.hf_path
@@ -298,8 +347,9 @@ def _shape_mismatches(path: str) -> str:
 
 def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
     """The configured model on the CPU in fp32, in train mode. ``shard(module) -> module``: a
-    multi-rank host's sharding (trainer/parallel.py), applied before a random init, so that a
-    rank only ever holds its own rows of it (pretrained weights are still loaded whole first)."""
+    multi-rank host's sharding (trainer/parallel.py), applied to the model built on the meta
+    device, so that a rank only ever holds its own rows: of a random init, or read from the
+    safetensors files (a checkpoint whose names transformers converts is still loaded whole)."""
     path = cfg.hf_path
     if path is None:
         config, tokenizer_dir = preset_config(cfg.source), None
@@ -308,7 +358,14 @@ def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
         config = read_hf_config(path)
         tokenizer_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     random = path is None or cfg.init not in ("auto", "pretrained")
-    module = _empty_model(config, on_meta=shard is not None) if random else _pretrained_model(path)
+    rows_from = None  # a sharded pretrained model: where each parameter's rows are read from
+    if random:
+        module = _empty_model(config, on_meta=shard is not None)
+    else:
+        module = _empty_model(config, on_meta=True) if shard is not None else None
+        rows_from = _weight_index(path, module) if module is not None else None
+        if rows_from is None:
+            module = _pretrained_model(path)
     module.train()
     if cfg.activation_checkpointing:
         if not getattr(module, "supports_gradient_checkpointing", False):
@@ -321,6 +378,8 @@ def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
         module = shard(module)
     if random:
         _initialise(module, seed, sharded=shard is not None)
+    elif rows_from is not None:
+        _load_rows(module, rows_from)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if not isinstance(context, int) or context < 2:

@@ -131,7 +131,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        "(default: build a Llama-shaped ~0.85B model with random weights)")
     group.add_argument("--tiny", action="store_true", help="build a two-layer model instead (a smoke run on the CPU)")
     group.add_argument("--device", default="cuda:0", help="cuda, cuda:N or cpu (default cuda:0)")
-    group.add_argument("--batch-size", type=positive_int, help="sequences per step (default 8; 4 with --tiny)")
+    group.add_argument("--batch-size", type=positive_int, help="sequences per step (default 8; 4 with --tiny); "
+                       "lower it where the model does not fit the GPU")
     group.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 2048; 64 with --tiny)")
     group.add_argument("--steps", type=positive_int, help="inner steps per round / chunk (default 20; 5 with --quick)")
     group.add_argument("--rounds", type=int_at_least(2),
@@ -205,15 +206,18 @@ def round_gaps(log: str) -> list[float]:
 
 def run(args: argparse.Namespace) -> dict:
     device, name = resolve_device(args.device)
-    peak = args.peak_tflops if args.peak_tflops is not None else peak_tflops_for(name) if device != "cpu" else None
-    if device != "cpu" and peak is None:
-        fail(f"no dense bf16 peak known for {name!r}: give it with --peak-tflops")
+    peak = args.peak_tflops
     if peak is not None and peak <= 0:
         fail(f"--peak-tflops must be > 0 (got {peak})")
-    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
-        fail(f"--model-dir {args.model_dir}: no config.json there")
-    if args.model_dir is not None and not any((args.model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        fail(f"--model-dir {args.model_dir}: no tokenizer there (prepare-data tokenizes with the model's own)")
+    if peak is None and device != "cpu":
+        peak = peak_tflops_for(name)
+        if peak is None:
+            fail(f"no dense bf16 peak known for {name!r}: give it with --peak-tflops")
+    if args.model_dir is not None:
+        if not (args.model_dir / "config.json").is_file():
+            fail(f"--model-dir {args.model_dir}: no config.json there")
+        if not any((args.model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            fail(f"--model-dir {args.model_dir}: no tokenizer there (prepare-data tokenizes with the model's own)")
     batch = args.batch_size or (4 if args.tiny else 8)
     seq = args.seq_len or (64 if args.tiny else 2048)
     pairs = args.pairs or (1 if args.quick else 3)
@@ -223,6 +227,7 @@ def run(args: argparse.Namespace) -> dict:
     rows, shape = [], None
     with tempfile.TemporaryDirectory(prefix="gonka-gpu-") as tmp:
         work = Path(tmp)
+        print(f"gpu: {name} ({device}); building the model and token shards in {work} ...", file=sys.stderr, flush=True)
         model, data = prepare(work, model=spec, model_dir=args.model_dir)
         for pair in range(pairs):
             log = run_node(node_command(model, data, run_id=f"gpu-{pair}", steps=steps, rounds=rounds,
@@ -245,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
                     row[f"node_{key}"] = round(mfu_pct(node, flops, peak), 2)
                     row[f"bare_{key}"] = round(mfu_pct(bare, flops, peak), 2)
             rows.append(row)
+            print(f"gpu: pair {pair + 1}/{pairs}: {row}", file=sys.stderr, flush=True)
     columns = [c for c in COLUMNS if c in rows[0]]
     medians = {c: statistics.median(r[c] for r in rows) for c in columns[1:]}
     rows.append({"pair": "median", **{c: round(v, 4) for c, v in medians.items()}})

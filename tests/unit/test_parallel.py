@@ -129,3 +129,46 @@ def test_fsdp_ranks_initialise_only_their_rows_with_the_bits_of_the_unsharded_in
     for name, b in whole.named_buffers():  # computed buffers (rotary frequencies) as built, not left empty
         assert all(torch.equal(part["buffers"][name], b) for part in parts), name
     assert parts[0]["loss"] == parts[1]["loss"] and 5.0 < parts[0]["loss"] < 6.0  # an untrained byte model: ~ln 256
+
+
+def _pretrained_rank(rank: int, world: int, init_file: str, out_dir: str, model_dirs: list[str]) -> None:
+    import torch.distributed as dist
+
+    import trainer.model as model_module
+    from trainer.config import ModelConfig
+    from trainer.parallel import Ranks, shard_model
+
+    def whole(path):
+        raise AssertionError(f"{path} was loaded whole")
+
+    model_module._pretrained_model = whole  # each rank must read its rows only
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ranks = Ranks(rank, world, "fsdp", torch.device("cpu"))
+        out = {}
+        for d in model_dirs:
+            loaded = model_module.load_model(ModelConfig(source=f"hf:{d}"), 0,
+                                             shard=lambda m: shard_model(m, ranks, "fp32"))
+            out[d] = [p.to_local().detach().clone() for p in loaded.module.parameters()]
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_ranks_read_only_their_rows_of_pretrained_weights(tmp_path):
+    from tests.hf_models import build_model_dir
+    from trainer.config import ModelConfig
+    from trainer.model import load_model
+
+    dirs = [build_model_dir(tmp_path / "qwen2", "qwen2", seed=1),  # tied embeddings
+            build_model_dir(tmp_path / "llama", "llama", seed=2, vocab_size=333)]  # untied, rows not even
+    world = 2
+    mp.start_processes(_pretrained_rank, args=(world, str(tmp_path / "init"), str(tmp_path), dirs), nprocs=world,
+                       start_method="spawn", join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    for d in dirs:
+        params = list(load_model(ModelConfig(source=f"hf:{d}"), 0).module.parameters())
+        assert len(params) == len(parts[0][d])
+        for i, p in enumerate(params):
+            assert torch.equal(torch.cat([part[d][i] for part in parts]), p.detach()), (d, i)
