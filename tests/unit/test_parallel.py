@@ -33,41 +33,31 @@ def test_a_replica_slice_writes_through():
     assert replica_slice(scalar, 0, 2).tolist() == [2.0] and replica_slice(scalar, 1, 2).numel() == 0
 
 
-def _ddp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def _ddp(rank: int, world: int) -> dict:
     from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
     from trainer.data import default_corpus_paths, load_corpus
     from trainer.diloco import DiLoCoWorker
     from trainer.parallel import Ranks
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        worker = DiLoCoWorker(model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
-                              inner=InnerConfig(lr=1e-3, warmup_steps=1, total_steps=10), outer=OuterConfig(),
-                              corpus=load_corpus(default_corpus_paths()[:5]), shard_key="host", seed=0,
-                              ranks=Ranks(rank, world, "ddp", torch.device("cpu")))
-        worker.inner_steps(2)
-        trained = [p.detach().clone() for p in worker.model.parameters()]
-        eval_loss = worker.eval_loss()  # of θ, put in the model and taken out again
-        after_eval = [p.detach().clone() for p in worker.model.parameters()]
-        delta = worker.pseudo_gradient()
-        worker.apply_outer(delta)  # our own Δ stands in for the swarm's average
-        after_outer = [p.detach().clone() for p in worker.model.parameters()]
-        torch.save({"trained": trained, "after_outer": after_outer, "after_eval": after_eval, "eval": eval_loss,
-                    "theta": [g.clone() for g in worker.global_params], "delta": delta,
-                    "moved": worker.params_hash() != worker.init_hash, "layout": worker.ranks.layout},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    worker = DiLoCoWorker(model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
+                          inner=InnerConfig(lr=1e-3, warmup_steps=1, total_steps=10), outer=OuterConfig(),
+                          corpus=load_corpus(default_corpus_paths()[:5]), shard_key="host", seed=0,
+                          ranks=Ranks(rank, world, "ddp", torch.device("cpu")))
+    worker.inner_steps(2)
+    trained = [p.detach().clone() for p in worker.model.parameters()]
+    eval_loss = worker.eval_loss()  # of θ, put in the model and taken out again
+    after_eval = [p.detach().clone() for p in worker.model.parameters()]
+    delta = worker.pseudo_gradient()
+    worker.apply_outer(delta)  # our own Δ stands in for the swarm's average
+    after_outer = [p.detach().clone() for p in worker.model.parameters()]
+    return {"trained": trained, "after_outer": after_outer, "after_eval": after_eval, "eval": eval_loss,
+            "theta": [g.clone() for g in worker.global_params], "delta": delta,
+            "moved": worker.params_hash() != worker.init_hash, "layout": worker.ranks.layout}
 
 
-def test_ddp_ranks_keep_one_replica_and_the_outer_state_of_their_own_rows(tmp_path):
+def test_ddp_ranks_keep_one_replica_and_the_outer_state_of_their_own_rows(host_of_two):
     world = 2
-    mp.start_processes(_ddp_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    parts = [p["ddp"] for p in host_of_two["ranks"]]
     a, b = parts
     assert a["layout"] == "ddpx2" and a["moved"] and b["moved"]
     # DDP's gradient all-reduce kept the replicas one while each rank trained on its own batches.
@@ -89,38 +79,27 @@ def test_ddp_ranks_keep_one_replica_and_the_outer_state_of_their_own_rows(tmp_pa
         assert not torch.equal(whole, a["trained"][i]), i  # the local copy restarted from θ
 
 
-def _fsdp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def _fsdp(rank: int, world: int) -> dict:
     from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
     from trainer.data import default_corpus_paths, load_corpus
     from trainer.diloco import DiLoCoWorker
     from trainer.parallel import Ranks
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        worker = DiLoCoWorker(model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
-                              inner=InnerConfig(), outer=OuterConfig(), corpus=load_corpus(default_corpus_paths()[:5]),
-                              shard_key="host", seed=7, ranks=Ranks(rank, world, "fsdp", torch.device("cpu")))
-        buffers = {n: b.clone() for n, b in worker.model.named_buffers()}
-        loss = worker.eval_loss()
-        torch.save({"theta": [g.clone() for g in worker.global_params], "buffers": buffers, "loss": loss},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    worker = DiLoCoWorker(model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
+                          inner=InnerConfig(), outer=OuterConfig(), corpus=load_corpus(default_corpus_paths()[:5]),
+                          shard_key="host", seed=7, ranks=Ranks(rank, world, "fsdp", torch.device("cpu")))
+    buffers = {n: b.clone() for n, b in worker.model.named_buffers()}
+    loss = worker.eval_loss()
+    return {"theta": [g.clone() for g in worker.global_params], "buffers": buffers, "loss": loss}
 
 
-def test_fsdp_ranks_initialise_only_their_rows_with_the_bits_of_the_unsharded_init(tmp_path):
+def test_fsdp_ranks_initialise_only_their_rows_with_the_bits_of_the_unsharded_init(host_of_two):
     # Built on the meta device and sharded first, each rank draws one parameter at a time and
     # keeps its rows: no rank holds the whole model, and θ is what one process would build.
     from trainer.config import ModelConfig
     from trainer.model import load_model
 
-    world = 2
-    mp.start_processes(_fsdp_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    parts = [p["fsdp"] for p in host_of_two["ranks"]]
     whole = load_model(ModelConfig(source="tiny"), 7).module
     params = list(whole.parameters())
     assert len(params) == len(parts[0]["theta"])
@@ -131,9 +110,7 @@ def test_fsdp_ranks_initialise_only_their_rows_with_the_bits_of_the_unsharded_in
     assert parts[0]["loss"] == parts[1]["loss"] and 5.0 < parts[0]["loss"] < 6.0  # an untrained byte model: ~ln 256
 
 
-def _pretrained_rank(rank: int, world: int, init_file: str, out_dir: str, model_dirs: list[str]) -> None:
-    import torch.distributed as dist
-
+def _pretrained(rank: int, world: int, model_dirs: list[str]) -> dict:
     import trainer.model as model_module
     from trainer.config import ModelConfig
     from trainer.parallel import Ranks, shard_model
@@ -141,9 +118,7 @@ def _pretrained_rank(rank: int, world: int, init_file: str, out_dir: str, model_
     def whole(path):
         raise AssertionError(f"{path} was loaded whole")
 
-    model_module._pretrained_model = whole  # each rank must read its rows only
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    loads, model_module._pretrained_model = model_module._pretrained_model, whole  # each rank reads its rows only
     try:
         ranks = Ranks(rank, world, "fsdp", torch.device("cpu"))
         out = {}
@@ -151,22 +126,42 @@ def _pretrained_rank(rank: int, world: int, init_file: str, out_dir: str, model_
             loaded = model_module.load_model(ModelConfig(source=f"hf:{d}"), 0,
                                              shard=lambda m: shard_model(m, ranks, "fp32"))
             out[d] = [p.to_local().detach().clone() for p in loaded.module.parameters()]
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        return out
+    finally:
+        model_module._pretrained_model = loads
+
+
+def _host_rank(rank: int, world: int, init_file: str, out_dir: str, model_dirs: list[str]) -> None:
+    """One rank of a 2-rank CPU host (gloo): what each test below looks at, from one process group."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save({"ddp": _ddp(rank, world), "fsdp": _fsdp(rank, world),
+                    "pretrained": _pretrained(rank, world, model_dirs)}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp_ranks_read_only_their_rows_of_pretrained_weights(tmp_path):
+@pytest.fixture(scope="module")
+def host_of_two(tmp_path_factory):
     from tests.hf_models import build_model_dir
+
+    tmp = tmp_path_factory.mktemp("host")
+    dirs = [build_model_dir(tmp / "qwen2", "qwen2", seed=1),  # tied embeddings
+            build_model_dir(tmp / "llama", "llama", seed=2, vocab_size=333)]  # untied, rows not even
+    mp.start_processes(_host_rank, args=(2, str(tmp / "init"), str(tmp), dirs), nprocs=2, start_method="spawn",
+                       join=True)
+    return {"dirs": dirs, "ranks": [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]}
+
+
+def test_fsdp_ranks_read_only_their_rows_of_pretrained_weights(host_of_two):
     from trainer.config import ModelConfig
     from trainer.model import load_model
 
-    dirs = [build_model_dir(tmp_path / "qwen2", "qwen2", seed=1),  # tied embeddings
-            build_model_dir(tmp_path / "llama", "llama", seed=2, vocab_size=333)]  # untied, rows not even
-    world = 2
-    mp.start_processes(_pretrained_rank, args=(world, str(tmp_path / "init"), str(tmp_path), dirs), nprocs=world,
-                       start_method="spawn", join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    dirs = host_of_two["dirs"]
+    parts = [p["pretrained"] for p in host_of_two["ranks"]]
     for d in dirs:
         params = list(load_model(ModelConfig(source=f"hf:{d}"), 0).module.parameters())
         assert len(params) == len(parts[0][d])
