@@ -47,6 +47,10 @@ def check_host(config: Config) -> None:
     if config.outer.overlap != "off":
         raise ValueError(f"outer.overlap: {config.outer.overlap} is not available with host.nproc_per_node > 1 "
                          f"in this version (use off)")
+    if config.node.checkpoint_dir:  # a part missing, or another layout's checkpoint: before any rank loads one
+        from trainer.checkpoint import host_checkpoint
+
+        host_checkpoint(config.node.checkpoint_dir, n)
 
 
 def launch_host(config: Config, argv: list[str]) -> int:

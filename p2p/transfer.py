@@ -165,13 +165,14 @@ class StateServer:
         header, _ = await read_frame(reader, self.swarm.config.request_timeout, max_header=SMALL_HEADER_BYTES,
                                      max_payload=0)
         op = hfield(header, "op", str)
-        # A meta request is where a download starts: the snapshot is built for it if need be.
-        snap = await self.current(self.swarm.config.request_timeout / 2) if op == "meta" else self.snapshot
         # Only peers that announced themselves in this run's peer table get the state.
         if requester not in self.swarm.peers and requester not in await self.swarm.refresh_peers():
             self.swarm.reject("not_in_swarm", requester[-8:])
             await write_frame(writer, {"ok": False, "reason": "not_in_swarm"})
-        elif op == "certs":
+            return
+        # A meta request is where a download starts: the snapshot is built for it if need be.
+        snap = await self.current(self.swarm.config.request_timeout / 2) if op == "meta" else self.snapshot
+        if op == "certs":
             after = hfield(header, "after", int)
             certs = self.commits.after(after)
             payload = encode_certs(certs)
