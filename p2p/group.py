@@ -132,8 +132,9 @@ class Group:
     # piece as they are encoded, what the receivers will not get of ``flat`` (``flat`` minus
     # what they decode): the next residual, if this round commits. None without feedback.
     residual: torch.Tensor | None = None
-    # Where ``sent`` goes (shaped like ``flat``): a buffer the caller reuses round after round,
-    # or None for a fresh one. Unused by an exact codec, whose receivers decode ``flat`` itself.
+    # Where ``sent`` goes (the size of our own part: only our part's pieces are averaged here): a
+    # buffer the caller reuses round after round, or None for a fresh one. Unused by an exact
+    # codec, whose receivers decode ``flat`` itself.
     sent: torch.Tensor | None = None
     # How the owner combines its part's pieces (p2p/aggregate.py) and the cap on a weight (0: relative).
     aggregator: str = "mean"
@@ -158,13 +159,18 @@ class Group:
         self.result = torch.empty_like(self.flat)
         # What the receivers decode of our contribution to our own part, filled as its pieces are
         # encoded: we average our piece as everyone else would decode it.
+        own_start, own_end = self.bounds[self.index]
         if self.codec.exact:
-            self.sent = self.flat
+            self.sent, self._sent_base = self.flat, 0
             assert self.residual is None, "an exact codec drops nothing to feed back"
-        elif self.sent is None:
-            self.sent = torch.empty_like(self.flat)
+        else:
+            if self.sent is None:
+                self.sent = torch.empty(own_end - own_start, dtype=torch.float32)
+            self._sent_base = own_start
+            assert self.sent.shape == (own_end - own_start,), "sent holds our own part"
         for buf in (self.sent, self.residual):
-            assert buf is None or (buf.shape == self.flat.shape and buf.dtype == torch.float32 and buf.is_contiguous())
+            assert buf is None or (buf.dim() == 1 and buf.dtype == torch.float32 and buf.is_contiguous())
+        assert self.residual is None or self.residual.shape == self.flat.shape
         self.weights: dict[int, float] = {}
         self._lanes_in: set[tuple[int, int]] = set()  # (sender, lane) streams that reached us
         own = len(self.pieces[self.index])
@@ -234,7 +240,7 @@ class Group:
         start, end = self.pieces[index][k]
         values = self.flat[start:end]
         if index == self.index and not self.codec.exact:
-            decoded = self.sent[start:end]
+            decoded = self.sent_values(start, end)
         else:  # decoded straight into the residual, then turned into it while still in cache
             decoded = None if self.residual is None else self.residual[start:end]
         try:
@@ -247,6 +253,10 @@ class Group:
         if index == self.index:
             self._input_hashes[k][self.index] = self.sent_hashes[index, k]
         return payload
+
+    def sent_values(self, start: int, end: int) -> torch.Tensor:
+        """What the receivers decode of our contribution to [start, end) of our own part."""
+        return self.sent[start - self._sent_base : end - self._sent_base]
 
     def contribution(self, index: int, k: int) -> bytes:
         """Our encoded piece ``k`` of part ``index`` again, for an auditor: the codec is a pure

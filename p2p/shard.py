@@ -24,6 +24,7 @@ import torch
 
 from p2p.audit import PartAudit
 from p2p.codecs import ErrorFeedback
+from p2p.compression import part_bounds
 from p2p.exchange import PartExchange, all_or_fail
 from p2p.group import Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
@@ -182,8 +183,9 @@ class ShardPlane:
 
     def buffer(self, name: str, numel: int) -> torch.Tensor:
         """A vector of ``numel`` fp32 values kept from round to round: the round's copy of the
-        pseudo-gradient (``flat``), what its receivers decode of our part (``sent``) and, with
-        error feedback, the next residual (``residual``: on commit it swaps with the current one).
+        pseudo-gradient when it is not donated (``flat``), what the receivers decode of our own
+        part (``sent``, the size of that part) and, with error feedback, the next residual
+        (``residual``: on commit it swaps with the current one).
 
         A fresh vector costs a page fault per 4 KB the first time each page is written (~25K per
         100 MB; on two shared cores a 25M-value round spent ~0.2 s of system time on them).
@@ -211,7 +213,8 @@ class ShardPlane:
 
     def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float) -> Group:
         numel = flat.numel()
-        sent = None if self.codec.exact else self.buffer("sent", numel)
+        start, end = part_bounds(numel, len(members))[sorted(members).index(self.me)]
+        sent = None if self.codec.exact else self.buffer("sent", end - start)  # our own part only
         residual = self.buffer("residual", numel) if self.use_feedback else None
         return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
                      aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import p2p.compression
 import p2p.group
 from p2p.codecs import get_codec
 from p2p.compression import flatten, part_bounds
@@ -38,20 +39,23 @@ def test_flatten_copies_every_tensor_once_and_adds_the_residual_on_the_way():
 def test_encoding_keeps_what_receivers_decode_of_our_part_and_what_feedback_needs_of_all(feedback, monkeypatch):
     monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
     flat, codec = torch.randn(3000), get_codec("int4")
-    sent = torch.full((3000,), float("nan"))
+    own_start, own_end = p2p.compression.part_bounds(3000, 3)[1]
+    sent = torch.full((own_end - own_start,), float("nan"))  # our own part's size, not the vector's
     residual = torch.full((3000,), float("nan")) if feedback else None
     group = Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec, residual, sent)
     assert group.sent is sent
+    with pytest.raises(AssertionError):
+        Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec, residual, torch.empty(3000))
     for j in range(3):
         for k, (start, end) in enumerate(group.pieces[j]):
             payload = group.encode_piece(j, k)
             decoded = codec.decode(payload, end - start)
             if j == group.index:  # we average our own piece as its receivers would decode it
-                assert torch.equal(sent[start:end], decoded)
-            else:
-                assert torch.isnan(sent[start:end]).all()
+                assert torch.equal(sent[start - own_start : end - own_start], decoded)
+                assert torch.equal(group.sent_values(start, end), decoded)
             if feedback:  # what the receivers will not get of every piece
                 assert torch.equal(residual[start:end], flat[start:end] - decoded)
+    assert not torch.isnan(sent).any()  # every value of our part was encoded
 
 
 def test_every_piece_travels_on_exactly_one_lane_and_a_lane_opens_once(monkeypatch):
