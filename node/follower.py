@@ -276,13 +276,13 @@ class RankFollower:
         """Our shard's snapshot of the state for joiners (built off the event loop), when rank 0
         builds its own: when a joiner first asks for it (p2p/transfer.py)."""
         from p2p.transfer import Snapshot
+        from trainer.diloco import params_digest
 
         w, chunk = self.worker, self.config.swarm.state_chunk_bytes
 
-        def build():
-            params_hash = w.params_hash()
+        def build():  # its hash read with what it holds, under the worker's lock (as rank 0's)
             return w.with_global_state(lambda round, params, momentum: Snapshot.build(
-                round, params_hash, params, momentum, chunk))
+                round, params_digest(params), params, momentum, chunk))
 
         self.server.snapshot = None  # as rank 0 (node/loop.py publish_state): never two copies
         self.server.snapshot = await asyncio.to_thread(build)

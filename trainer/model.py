@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.config import ModelConfig
+from trainer.parallel import local_tensor, own_rows
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,6 @@ def _weight_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded parameter (a DTensor), the parameter itself otherwise."""
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Modules built inside keep their parameters on the meta device (no memory) and their
@@ -139,10 +135,7 @@ def _rows_only(fill):
         if not hasattr(tensor, "to_local"):
             return fill(tensor, *args, **kwargs)
         whole = fill(torch.empty(tensor.shape, dtype=tensor.dtype), *args, **kwargs)
-        from trainer.parallel import rows_of
-
-        mesh = tensor.device_mesh
-        tensor.to_local().copy_(whole[rows_of(tensor.shape[0], mesh.get_local_rank(), mesh.size())])
+        tensor.to_local().copy_(whole[own_rows(tensor)])
         return tensor
 
     return sharded_fill
@@ -221,14 +214,14 @@ def _initialise(model: nn.Module, seed: int, *, sharded: bool) -> None:
     """Random init, once, deterministically (on a sharded model: each rank its rows)."""
     with torch.no_grad():
         for p in model.parameters():
-            _local(p).fill_(float("nan"))  # whatever the init scheme misses must show, not be garbage memory
+            local_tensor(p).fill_(float("nan"))  # whatever the init scheme misses must show, not be garbage memory
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     with _seeded_init(generator, seed):
         model.initialize_weights()
     if not sharded:
         model.tie_weights()
-    missed = [name for name, p in model.named_parameters() if torch.isnan(_local(p)).any()]
+    missed = [name for name, p in model.named_parameters() if torch.isnan(local_tensor(p)).any()]
     if missed:
         raise ValueError(f"model.init: random init of {type(model).__name__} leaves {len(missed)} parameters "
                          f"uninitialised ({', '.join(missed[:3])}); use model.init = pretrained")
@@ -296,8 +289,6 @@ def _load_rows(model: nn.Module, where: dict[str, str]) -> None:
     the memory-mapped tensor: the rest of it is never read)."""
     from safetensors import safe_open
 
-    from trainer.parallel import rows_of
-
     by_file: dict[str, list[str]] = {}
     for name, file in where.items():
         by_file.setdefault(file, []).append(name)
@@ -305,12 +296,7 @@ def _load_rows(model: nn.Module, where: dict[str, str]) -> None:
     for file, names in by_file.items():
         with safe_open(file, "pt") as f:
             for name in names:
-                p = params[name]
-                local = _local(p)
-                if hasattr(p, "device_mesh"):
-                    rows = rows_of(p.shape[0], p.device_mesh.get_local_rank(), p.device_mesh.size())
-                else:
-                    rows = slice(0, p.shape[0])
+                local, rows = local_tensor(params[name]), own_rows(params[name])
                 local.copy_(f.get_slice(name)[rows.start : rows.stop].to(local.dtype))
 
 

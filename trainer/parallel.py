@@ -133,7 +133,18 @@ def resharded(module: nn.Module) -> None:
 def local_tensors(params) -> list[torch.Tensor]:
     """This rank's part of each parameter: the local shard of a sharded one (a view that
     writes through), the parameter itself otherwise."""
-    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return [local_tensor(p) for p in params]
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded parameter (a DTensor), the parameter itself otherwise."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def own_rows(p: torch.Tensor) -> slice:
+    """The dim-0 rows of a parameter this rank holds: its FSDP2 shard's, or all of them."""
+    mesh = getattr(p, "device_mesh", None)
+    return slice(0, p.shape[0]) if mesh is None else rows_of(p.shape[0], mesh.get_local_rank(), mesh.size())
 
 
 def rows_of(rows: int, rank: int, world: int) -> slice:
