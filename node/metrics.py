@@ -51,7 +51,7 @@ REASONS = frozenset({
     # trust: closed swarms, owner-bound records, certificates, bounded influence, quarantine
     "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "quarantined",
     "uncertified_state", "no_quorum", "state_mismatch", "bad_evidence", "no_certificate", "certificate_without_quorum", "chain_breaks", "hostile",
-    "aborted", "silent_leader", "shunned",
+    "aborted", "aborted_again", "silent_leader", "shunned",
     "record_malformed", "record_other_key", "record_plain_value", "record_oversized", "record_unsigned",
     "record_foreign_key", "record_far_expiry", "record_bad_signature",
     # the ranks of a multi-rank host (node/ranks.py)

@@ -57,9 +57,11 @@ class PartAudit:
 
         async def fetch(i: int) -> bytes:
             if i == group.index:
-                return await off_loop(group.contribution, index, k)
-            _, payload = await self._call(group.members[i], "audit", {"g": group.id, "j": index, "k": k},
-                                          max_payload=expected)
+                return await self.own_input(group, index, k)
+            header, payload = await self._call(group.members[i], "audit", {"g": group.id, "j": index, "k": k},
+                                               max_payload=expected)
+            if header.get("ok") is False:  # it failed the round (the owner lied about its input): no blame
+                raise RoundFailed("peer_failed", str(header.get("reason"))[:40])
             if len(payload) != expected:
                 group.blame.setdefault(group.members[i], "audit_failed")
                 raise RoundFailed("audit_failed", f"{group.members[i][-8:]} sent no input")
@@ -87,10 +89,29 @@ class PartAudit:
             raise WireError("bad_field", "audit piece")
         return j, k
 
-    async def on_audit(self, group: Group, header: dict, writer) -> None:
-        """An auditor asks for our input to one piece of one part (re-encoded: the same bytes)."""
-        j, k = self._piece(group, header)
+    async def own_input(self, group: Group, j: int, k: int) -> bytes:
+        """Our input to piece ``k`` of part ``j`` (re-encoded: the same bytes), once the owner's
+        declaration of it is here and records it. If it does not, the owner lied about our
+        input: the round fails here (the owner blamed) before the audit could blame us."""
+        await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout)
         payload = await off_loop(group.contribution, j, k)
+        try:
+            await off_loop(group.check_own_input, j, k, payload)
+        except RoundFailed as e:
+            self._reject(e.reason, str(e))
+            group.blame.setdefault(group.members[j], e.reason)
+            group.fail(e.reason, str(e))
+            raise
+        return payload
+
+    async def on_audit(self, group: Group, header: dict, writer) -> None:
+        """An auditor asks for our input to one piece of one part."""
+        j, k = self._piece(group, header)
+        try:
+            payload = await self.own_input(group, j, k)
+        except RoundFailed as e:
+            await reply(writer, {"ok": False, "reason": e.reason})
+            return
         self.metrics.sent_bytes.inc(await write_frame(writer, {"ok": True}, payload))
 
     async def on_evidence(self, group: Group, sender: str, header: dict, reader, writer) -> None:

@@ -148,6 +148,7 @@ class Group:
     blame: dict[str, str] = field(default_factory=dict)
     # Members that sent an abort while this peer had no failure of its own: member -> its reason.
     aborts: dict[str, str] = field(default_factory=dict)
+    _named: dict[str, bool] = field(default_factory=dict)  # member -> whether its abort named a culprit
 
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
@@ -179,10 +180,8 @@ class Group:
         self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
         # piece_digest of every averaged piece of every part, filled as they are placed.
         self._placed: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
-        # What each owner declared of each averaged piece's inputs (for the audit), and the
-        # input hashes of what we sent to each (part, piece).
+        # What each owner declared of each averaged piece's inputs (for the audit).
         self.declared: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
-        self.sent_hashes: dict[tuple[int, int], bytes] = {}
         # Per piece of our part: sender index -> input_hash of its encoded piece.
         self._input_hashes: list[dict[int, bytes]] = [{} for _ in range(own)]
         self.reduced_declared: list[bytes | None] = [None] * own
@@ -249,9 +248,8 @@ class Group:
             raise RoundFailed(e.reason) from None
         if self.residual is not None:
             torch.sub(values, decoded, out=self.residual[start:end])
-        self.sent_hashes[index, k] = input_hash(payload)
-        if index == self.index:
-            self._input_hashes[k][self.index] = self.sent_hashes[index, k]
+        if index == self.index:  # our own entry of our own declaration (the others' we check if audited)
+            self._input_hashes[k][self.index] = input_hash(payload)
         return payload
 
     def sent_values(self, start: int, end: int) -> torch.Tensor:
@@ -282,11 +280,23 @@ class Group:
         return b"".join(_DECLARED.pack(self.weights[i], hashes[i]) for i in range(len(self.members)))
 
     def check_declaration(self, index: int, k: int, declared: bytes) -> None:
-        """A member's check of an owner's declaration: well formed, and our own entry is what we sent."""
+        """A member's check of an owner's declaration as it arrives: well formed, our own weight.
+        Our own input's hash in it matters only to an audit of the piece: checked then
+        (``check_own_input``), not hashed for every piece we send."""
         if len(declared) != _DECLARED.size * len(self.members):
             raise RoundFailed("owner_misreported", "declaration of the wrong size")
-        weight, hashed = _DECLARED.unpack_from(declared, _DECLARED.size * self.index)
-        if weight != self.claimed_weight or hashed != self.sent_hashes.get((index, k)):
+        weight, _ = _DECLARED.unpack_from(declared, _DECLARED.size * self.index)
+        if weight != self.claimed_weight:
+            raise RoundFailed("owner_misreported", f"our weight for piece {k} of part {index}")
+
+    def check_own_input(self, index: int, k: int, payload: bytes) -> None:
+        """Before our input to piece ``k`` of part ``index`` goes to its auditor (``payload``, the
+        bytes we sent the owner): the owner's declaration, which every member votes on, records
+        it. Otherwise the owner lied about it, and the audit would blame us."""
+        declared = self.declared[index][k]
+        assert declared is not None, "the piece's declaration is placed before it is audited"
+        _, hashed = _DECLARED.unpack_from(declared, _DECLARED.size * self.index)
+        if hashed != input_hash(payload):
             raise RoundFailed("owner_misreported", f"our input to piece {k} of part {index}")
 
     @staticmethod
@@ -369,13 +379,41 @@ class Group:
 
     # ---- events ----------------------------------------------------------------
 
-    def aborted_by(self, member: str, reason: str) -> None:
+    def aborted_by(self, member: str, reason: str, culprit: object = None) -> None:
         """An abort from ``member``; it ends the attempt. Kept (to find who started it) unless
         this peer had failed for a reason of its own, which the others' aborts only answer —
-        unless that failure came from ``member`` itself (it dropped our stream, then said why)."""
+        unless that failure came from ``member`` itself (it dropped our stream, then said why).
+        ``culprit``: the index of the member it says it failed on, if it named one."""
         if self.failure is None or self.failure.reason == "aborted_by_peer" or self.failed_by == member:
             self.aborts.setdefault(member, reason)
+            named = (isinstance(culprit, int) and not isinstance(culprit, bool)
+                     and 0 <= culprit < len(self.members) and self.members[culprit] != member)
+            self._named.setdefault(member, named)
         self.fail("aborted_by_peer", reason)
+
+    def culprit(self, reason: str) -> int | None:
+        """The member this peer failed on, named in its abort (``aborted_by``'s ``culprit``): the
+        one whose stream failed us, or whose input we refused; on a timeout, one we still wait
+        for. None when the failure was about nobody else (our own, or an abort passed on)."""
+        if self.failed_by is not None and self.failed_by in self.members:
+            return self.members.index(self.failed_by)
+        for peer in self.blame:
+            if peer in self.members and peer != self.me:
+                return self.members.index(peer)
+        if reason != "timeout":
+            return None
+        others = [j for j in range(len(self.members)) if j != self.index]
+        for j in others:  # an averaged part, an input to our own part, a vote not yet here
+            if any(d is None for d in self._placed[j]):
+                return j
+        for k, inputs in enumerate(self._inputs):
+            if self.reduced[k] is None:
+                return next((j for j in others if j not in inputs), None)
+        return next((j for j in others if j not in self.votes), None)
+
+    def abort_named_a_culprit(self, member: str) -> bool:
+        """Whether ``member``'s abort named another member it failed on."""
+        return self._named.get(member, False)
 
     def abort_starter(self) -> str | None:
         """Who started the aborts this peer got: the first member that gave a reason of its own,

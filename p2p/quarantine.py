@@ -6,7 +6,15 @@ audit recomputed differently, a misreported input) — quarantines the peer at
 once. A *fault* — it aborted a round, refused a group, led a round it never
 started while we saw a quorum ready, announced a state without certificates,
 or had more streams open to us than it may — could be bad luck, so it is a
-strike, and ``strikes`` of them within the quarantine period quarantine it. A quarantined peer is kept out of every
+strike, and ``strikes`` of them within the quarantine period quarantine it. One
+pattern of faults is not bad luck: starting the aborts of two attempts in a row,
+each naming nobody it failed on (``Quarantine.attempt_over``). An honest peer
+aborts when something failed on its side, and says on whom: a member whose
+stream broke, whose input it refused, that refused its group, or that it still
+waited for at the deadline; the retry goes on without that member. An abort
+that names nobody else is about the aborter itself; a peer that spoils the
+retry that way too, with no attempt of ours committed in between, is
+quarantined then (``aborted_again``). A quarantined peer is kept out of every
 group this node leads and its ``begin`` is refused; it still counts as live in
 the quorum (``quorum.py``) while it heartbeats, so quarantine can never let a
 minority commit. Every node decides alone, from what it saw itself.
@@ -21,6 +29,8 @@ LIES = frozenset({
     "bad_payload", "bad_weight", "non_finite", "bad_size", "duplicate_part", "bad_lane", "weight_capped",
     "audit_failed", "owner_misreported", "bad_members", "bad_vote", "bad_evidence",
 })
+# A fault repeated at once, with nothing between to excuse it (``attempt_over``): quarantines.
+REPEATED = frozenset({"aborted_again"})
 # Offences an honest peer may commit by bad luck (a leader whose begin was lost, whose view of
 # the quorum was not ours): counted as strikes.
 FAULTS = frozenset({"aborted", "refused", "silent_leader", "uncertified_state", "stream_flood"})
@@ -35,6 +45,21 @@ class Quarantine:
         self.strikes = strikes
         self._until = BoundedDict(max_peers)  # peer -> end of its quarantine
         self._strikes = BoundedDict(max_peers)  # peer -> times of its recent faults
+        self._started_last: str | None = None  # who started the aborts of our last attempt, if it failed
+
+    def attempt_over(self, starter: str | None, named_culprit: bool = False) -> str | None:
+        """One of our attempts ended: ``starter`` started the aborts that failed it (None: it
+        committed, or nobody's abort did); ``named_culprit``: its abort named another member it
+        failed on. The offence to count against the starter, if any: ``aborted_again`` if it
+        also started those of our attempt before, each time naming nobody (no commit of ours
+        between), else ``aborted``. An abort that names whom it failed on (a member that died,
+        refused or lied) is a strike only: the retry goes on without that member."""
+        unexplained = starter is not None and not named_culprit
+        again = unexplained and starter == self._started_last
+        self._started_last = starter if unexplained else None
+        if starter is None:
+            return None
+        return "aborted_again" if again else "aborted"
 
     def offence(self, peer: str, reason: str, now: float) -> bool:
         """Record what ``peer`` did; True if this quarantines it (it was not quarantined before)."""

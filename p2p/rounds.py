@@ -281,11 +281,13 @@ class RoundProtocol:
 
     def _judge(self, group: Group) -> list[str]:
         """After an attempt: the members whose input (or output, as owners) this peer refused,
-        and whoever started the aborts it got (a strike, should it keep doing so). Returns them."""
+        and whoever started the aborts it got (a strike; quarantine if it started those of our
+        attempt before too: ``Quarantine.attempt_over``). Returns them."""
         blamed = dict(group.blame)
         starter = group.abort_starter()
+        offence = self.quarantine.attempt_over(starter, starter is not None and group.abort_named_a_culprit(starter))
         if starter is not None:
-            blamed.setdefault(starter, "aborted")
+            blamed.setdefault(starter, offence)
         for peer, reason in blamed.items():
             self.offence(peer, reason)
         return sorted(blamed)
@@ -442,7 +444,7 @@ class RoundProtocol:
                 self._suspect(p, 3 * self.swarm.config.heartbeat_interval if silent else POLL_SECONDS * 4)
                 log.info("round %d: %s %s the group", round + 1, p[-8:],
                          "did not answer" if silent else f"refused ({str(res[0].get('reason'))[:40]})")
-        await self._broadcast_abort(group, "member_refused")
+        await self._broadcast_abort(group, "member_refused", members.index(refused[0]))
         self._leave(group)
         self.metrics.rounds_aborted.labels(reason="member_refused").inc()
         self._waiting = _Waiting(round, waiting.flat, waiting.weight, asyncio.get_running_loop().create_future(),
@@ -504,9 +506,13 @@ class RoundProtocol:
         sends = [asyncio.ensure_future(send(p)) for p in others]
         await all_or_fail([*sends, asyncio.ensure_future(until)], group)
 
-    async def _broadcast_abort(self, group: Group, reason: str) -> None:
+    async def _broadcast_abort(self, group: Group, reason: str, culprit: int | None = None) -> None:
+        """Every other member hears that the attempt is off, why, and whom we failed on (if anyone:
+        ``Group.culprit``): an abort that names nobody else is ours to answer for (p2p/quarantine.py)."""
         others = [p for p in group.members if p != group.me]
-        header = {"g": group.id, "abort": reason[:40]}
+        if culprit is None:
+            culprit = group.culprit(reason)
+        header = {"g": group.id, "abort": reason[:40], **({"c": culprit} if culprit is not None else {})}
         await asyncio.gather(*(self._call(p, "vote", header, timeout=2.0) for p in others), return_exceptions=True)
 
     # ---- requests out ------------------------------------------------------------------
@@ -604,7 +610,7 @@ class RoundProtocol:
             return
         group, index = await self._group_for(sender, header)
         if "abort" in header:
-            group.aborted_by(sender, str(header["abort"])[:40])
+            group.aborted_by(sender, str(header["abort"])[:40], header.get("c"))
         else:
             group.add_vote(index, hfield(header, "digest", bytes))
         await reply(writer, {"ok": True})

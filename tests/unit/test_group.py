@@ -142,3 +142,24 @@ def test_an_abort_is_pinned_on_its_starter_also_when_its_dropped_stream_failed_u
     g.aborted_by("c", "aborted_by_peer")
     g.aborted_by("b", "hostile")
     assert g.abort_starter() == "b" and g.failure.reason == "truncated"
+
+
+def test_an_abort_names_the_member_it_failed_on_and_a_named_culprit_must_be_another_member():
+    def group(me="a"):
+        return Group(os.urandom(16), 0, ["a", "b", "c"], me, torch.zeros(10), 1.0, get_codec("fp32"))
+
+    g = group()
+    assert g.culprit("hostile") is None  # about nobody else: our own failure
+    g.fail("truncated", by="c")
+    assert g.culprit("truncated") == 2  # whose stream failed us
+    g = group()
+    g.blame["b"] = "non_finite"
+    assert g.culprit("non_finite") == 1  # whose input we refused
+    g = group()
+    assert g.culprit("timeout") == 1  # at the deadline: one we still wait for (b's part is not in)
+    # What a member's abort names: another member, by index, or nothing that counts.
+    for culprit, named in [(2, True), (0, True), (1, False), (3, False), (-1, False), (True, False), ("2", False),
+                           (None, False)]:
+        g = group()
+        g.aborted_by("b", "timeout", culprit)
+        assert g.abort_starter() == "b" and g.abort_named_a_culprit("b") is named, culprit

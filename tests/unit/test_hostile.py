@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from p2p.compression import part_bounds
+from p2p.group import _DECLARED, Group
 from p2p.hostile import Behaviour
 from p2p.wire import write_frame
 from tests.unit.test_rounds import rejected, start_peers, stop_peers
@@ -205,7 +206,51 @@ async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same
         await stop_peers(peers)
 
 
-async def test_a_member_that_always_aborts_is_quarantined_after_three_strikes():
+async def test_an_owner_that_misreports_an_input_is_caught_by_that_member_when_it_is_audited(monkeypatch):
+    # The owner of part 1 declares a wrong hash for member 0's input to every piece of its part.
+    # Member 0 checks its own entry only when an auditor asks for that input (member 2 audits
+    # part 1): it refuses to hand it over, blames the owner, and nobody blames member 0.
+    peers = sorted(await start_peers(3, min_peers=3, **STEADY), key=lambda p: p[0].peer_id)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        owner, member = peers[1][0].peer_id, peers[0][0].peer_id
+        declaration = Group.declaration
+
+        def misreported(group, k):
+            declared = bytearray(declaration(group, k))
+            if group.me == owner:
+                declared[_DECLARED.size - 1] ^= 1  # the last byte of member 0's input hash
+            return bytes(declared)
+
+        monkeypatch.setattr(Group, "declaration", misreported)
+        results = await attempt(rounds, honest_inputs(3, 2048))
+        assert results == [None, None, None]  # nothing applied anywhere
+        assert all(r.last.status == "aborted" for r in rounds)
+        now = time.monotonic()
+        assert rejected(peers[0][2], "owner_misreported") == 1 and quarantined(peers[0][2], "owner_misreported") == 1
+        assert rounds[0].quarantine.quarantined(owner, now)
+        assert not any(r.quarantine.quarantined(member, now) for r in rounds)
+        assert rejected(peers[2][2], "audit_failed") == 0
+    finally:
+        await stop_peers(peers)
+
+
+def _spoiled_enough(outcomes, aborter: str) -> bool:
+    """Whether ``aborter`` spoiled three of these attempts, or two in a row."""
+    spoiled, last = 0, False
+    for o in outcomes:
+        if o.status not in ("aborted", "committed"):
+            continue  # no attempt of ours ended there (we were behind)
+        now = aborter in o.blamed
+        spoiled += now
+        if spoiled >= 3 or (now and last):
+            return True
+        last = now
+    return False
+
+
+async def test_a_member_that_always_aborts_is_quarantined_after_two_in_a_row_or_three_strikes():
     peers = await start_peers(4, min_peers=3, **STEADY)
     try:
         rounds = [r for _, r, _ in peers]
@@ -225,12 +270,12 @@ async def test_a_member_that_always_aborts_is_quarantined_after_three_strikes():
             assert all(aborter not in r.last.members for r in honest)
             for mine, more in zip(seen, outcomes):
                 mine.extend(more)
-        # Each abort it started was a strike wherever it landed; three quarantine it. (A peer may
-        # be in more groups with it than that, led by one that has not seen three yet, or in
-        # fewer, when the others formed a group without it while it was busy in another one.)
+        # Each abort it started was a strike wherever it landed; three quarantine it, and so do two
+        # in a row: the attempts of a peer that it spoiled one after the other, no commit between.
+        # (A peer may be in more groups with it than that, led by one that has not quarantined it
+        # yet, or in fewer, when the others formed a group without it while it was busy in another.)
         for r, mine in zip(honest, seen):
-            spoiled = sum(aborter in o.blamed for o in mine)
-            assert r.quarantine.quarantined(aborter, time.monotonic()) == (spoiled >= 3), story(seen)
+            assert r.quarantine.quarantined(aborter, time.monotonic()) == _spoiled_enough(mine, aborter), story(seen)
         assert any(r.quarantine.quarantined(aborter, time.monotonic()) for r in honest), story(seen)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
