@@ -78,6 +78,7 @@ class _Waiting:
     weight: float
     group: asyncio.Future
     state: str = ""  # params_hash of the state the pseudo-gradient was taken from ("": not checked)
+    donated: bool = False  # ``flat`` is the caller's vector, the residual added once (``average``)
 
 
 class RoundProtocol:
@@ -181,8 +182,9 @@ class RoundProtocol:
         if flat is None:
             # A copy of ~4 bytes per parameter, the residual added on the way: not on the event loop.
             flat = await off_loop(flatten, tensors, self.plane.buffer("flat", numel), residual)
-            fresh = True
+            fresh = fresh_copy = True
         else:
+            fresh_copy = False
             fresh = self._donated is None or self._donated() is not flat
             if fresh:
                 # Noted first: a cancelled wait does not stop the thread from adding it.
@@ -193,7 +195,7 @@ class RoundProtocol:
             await off_loop(_hostile_input, flat, self.hostile)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state)
+        self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state, donated=not fresh_copy)
         self._waiting_set.set()
         self.swarm.announce(state="ready", round=round)
         try:
@@ -448,12 +450,12 @@ class RoundProtocol:
         self._leave(group)
         self.metrics.rounds_aborted.labels(reason="member_refused").inc()
         self._waiting = _Waiting(round, waiting.flat, waiting.weight, asyncio.get_running_loop().create_future(),
-                                 waiting.state)
+                                 waiting.state, waiting.donated)
         self._waiting_set.set()
         return None
 
     def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting) -> Group:
-        return self.plane.new_group(gid, round, members, waiting.flat, waiting.weight)
+        return self.plane.new_group(gid, round, members, waiting.flat, waiting.weight, residual_added=waiting.donated)
 
     def _leave(self, group: Group) -> None:
         """The attempt is over: requests naming it are answered at once from now on."""

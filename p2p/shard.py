@@ -206,16 +206,28 @@ class ShardPlane:
 
     def committed(self, group: Group) -> None:
         """The group's round committed: its residual is the one the next round adds back."""
-        if self.feedback is not None:  # only a committed round consumes the residual; the old one's buffer is next
+        if self.feedback is not None and group.residual is not self.feedback.residual:
+            # Only a committed round consumes the residual; the old one's buffer is next.
             self._buffers["residual"] = self.feedback.adopt(group.residual)
 
     # ---- groups --------------------------------------------------------------------
 
-    def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float) -> Group:
+    def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float,
+                  residual_added: bool = True) -> Group:
+        """A group reducing ``flat``. ``residual_added``: error feedback's residual was added into
+        ``flat`` once, for every attempt of the round (a donated pseudo-gradient, a rank's shard):
+        the old residual is spent, so the group writes the next one over it, in place — no
+        second full-size vector. An attempt that fails leaves it part old residual, part
+        what this attempt did not send: both are what a codec dropped, and the next attempt
+        rewrites all of it. Otherwise (a copy made per attempt, adding the residual each
+        time) the next residual goes to a buffer of its own, adopted on commit."""
         numel = flat.numel()
         start, end = part_bounds(numel, len(members))[sorted(members).index(self.me)]
         sent = None if self.codec.exact else self.buffer("sent", end - start)  # our own part only
-        residual = self.buffer("residual", numel) if self.use_feedback else None
+        residual = None
+        if self.use_feedback:
+            feedback = self.ensure_feedback(numel)
+            residual = feedback.residual if residual_added else self.buffer("residual", numel)
         return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
                      aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)
 

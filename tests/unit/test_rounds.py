@@ -479,7 +479,10 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
         flat = [torch.cat([t.reshape(-1) for t in res]) for res in results]
         assert all(torch.equal(f, flat[0]) for f in flat) and torch.allclose(flat[0], mean, atol=0.05)
         assert all("flat" not in r.plane._buffers for _, r, _ in peers)  # no copy was made
+        # Nor a second residual: the round wrote the next one over the one it had added (spent).
+        assert all("residual" not in r.plane._buffers for _, r, _ in peers)
         (sa, a, _), *_ = peers
+        buffer = a.feedback.residual
         residual = a.feedback.residual.clone()
         assert residual.abs().sum() > 0
         for s, _, _ in peers:
@@ -500,5 +503,6 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
             *(r.average(_views(v, shapes), 1.0, 1, donate=True) for (_, r, _), v in zip(peers[1:], others))), 60)
         assert all(res is not None for res in results), [r.last for _, r, _ in peers]
         assert torch.equal(mine, before + residual)  # added once, over two attempts
+        assert a.feedback.residual is buffer and "residual" not in a.plane._buffers
     finally:
         await stop_peers(peers)
