@@ -100,6 +100,13 @@ class NodeProc:
         m = wait_until(lambda: re.search(r"^listening on (\S+)", self.log(), re.M), timeout, f"{self.name} to listen")
         return m.group(1)
 
+    def peer_id(self) -> str:
+        return re.search(r"^gonka-node \S+ peer (\S+)", self.log(), re.M).group(1)
+
+    def quarantined(self) -> set[str]:
+        """The last 8 characters of every peer id this node quarantined (its log says so)."""
+        return set(re.findall(r"quarantined peer (\S+) for", self.log()))
+
     def rounds(self) -> dict[int, str]:
         """round -> params_hash for every round this node committed or re-synced to."""
         return {int(r): h for _, r, h in COMMITTED.findall(self.log())}

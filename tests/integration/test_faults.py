@@ -56,6 +56,8 @@ def test_sigkill_member_of_a_4_peer_round(nodes, phase):
         assert after and after[0] - died <= BOUND, (after, died)
     if phase != "commit":
         assert any(f"aborted round={fault_round}" in n.log() for n in survivors)
+    ids = {n.peer_id()[-8:] for n in survivors}  # the aborts a death sets off quarantine no survivor
+    assert not any(n.quarantined() & ids for n in survivors), [(n.name, n.quarantined()) for n in survivors]
     stop_and_check_consistent(survivors)
 
 
