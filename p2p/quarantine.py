@@ -45,18 +45,21 @@ class Quarantine:
         self.strikes = strikes
         self._until = BoundedDict(max_peers)  # peer -> end of its quarantine
         self._strikes = BoundedDict(max_peers)  # peer -> times of its recent faults
-        self._started_last: str | None = None  # who started the aborts of our last attempt, if it failed
+        # Who started the aborts of our last attempt, naming nobody, and when (None: it did not fail so).
+        self._started_last: tuple[str, float] | None = None
 
-    def attempt_over(self, starter: str | None, named_culprit: bool = False) -> str | None:
-        """One of our attempts ended: ``starter`` started the aborts that failed it (None: it
-        committed, or nobody's abort did); ``named_culprit``: its abort named another member it
-        failed on. The offence to count against the starter, if any: ``aborted_again`` if it
-        also started those of our attempt before, each time naming nobody (no commit of ours
-        between), else ``aborted``. An abort that names whom it failed on (a member that died,
-        refused or lied) is a strike only: the retry goes on without that member."""
+    def attempt_over(self, starter: str | None, named_culprit: bool, now: float) -> str | None:
+        """One of our attempts ended at ``now``: ``starter`` started the aborts that failed it
+        (None: it committed, or nobody's abort did); ``named_culprit``: its abort named another
+        member it failed on. The offence to count against the starter, if any: ``aborted_again``
+        if it also started those of our attempt before, each time naming nobody, with no commit
+        of ours between and within the quarantine period; else ``aborted``. An abort that names
+        whom it failed on (a member that died, refused or lied) is a strike only: the retry goes
+        on without that member."""
         unexplained = starter is not None and not named_culprit
-        again = unexplained and starter == self._started_last
-        self._started_last = starter if unexplained else None
+        last = self._started_last
+        again = unexplained and last is not None and last[0] == starter and now - last[1] < self.seconds
+        self._started_last = (starter, now) if unexplained else None
         if starter is None:
             return None
         return "aborted_again" if again else "aborted"

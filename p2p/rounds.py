@@ -287,7 +287,8 @@ class RoundProtocol:
         attempt before too: ``Quarantine.attempt_over``). Returns them."""
         blamed = dict(group.blame)
         starter = group.abort_starter()
-        offence = self.quarantine.attempt_over(starter, starter is not None and group.abort_named_a_culprit(starter))
+        offence = self.quarantine.attempt_over(starter, starter is not None and group.abort_named_a_culprit(starter),
+                                               time.monotonic())
         if starter is not None:
             blamed.setdefault(starter, offence)
         for peer, reason in blamed.items():

@@ -29,23 +29,26 @@ def test_faults_are_strikes_and_only_recent_ones_count():
 def test_starting_the_aborts_of_two_attempts_in_a_row_quarantines():
     q = Quarantine(seconds=100, strikes=3)
     # x spoils an attempt; the next one commits; x spoils one again: two strikes, not in a row.
-    assert q.attempt_over("x") == "aborted" and not q.offence("x", "aborted", 0.0)
-    assert q.attempt_over(None) is None
-    assert q.attempt_over("x") == "aborted" and not q.offence("x", "aborted", 10.0)
+    assert q.attempt_over("x", False, 0.0) == "aborted" and not q.offence("x", "aborted", 0.0)
+    assert q.attempt_over(None, False, 1.0) is None
+    assert q.attempt_over("x", False, 10.0) == "aborted" and not q.offence("x", "aborted", 10.0)
     # y spoils one in between: x's next is not in a row with its last either.
-    assert q.attempt_over("y") == "aborted"
-    assert q.attempt_over("x") == "aborted"
+    assert q.attempt_over("y", False, 11.0) == "aborted"
+    assert q.attempt_over("x", False, 12.0) == "aborted"
     # x spoils the very next one too: quarantined at once, whatever its strikes.
-    assert q.attempt_over("x") == "aborted_again"
-    assert q.offence("x", "aborted_again", 20.0) and q.quarantined("x", 21.0)
-    assert not q.quarantined("y", 21.0)
+    assert q.attempt_over("x", False, 13.0) == "aborted_again"
+    assert q.offence("x", "aborted_again", 13.0) and q.quarantined("x", 14.0)
+    assert not q.quarantined("y", 14.0)
+    # Our next attempt a quarantine period later (we were behind meanwhile, say) is no row.
+    assert q.attempt_over("y", False, 20.0) == "aborted"
+    assert q.attempt_over("y", False, 120.0) == "aborted"
     # An abort that names the member it failed on (one that died, say) is a strike only, and
     # starts no run: z, naming a culprit each time, is never "again".
-    assert q.attempt_over("z", named_culprit=True) == "aborted"
-    assert q.attempt_over("z", named_culprit=True) == "aborted"
-    assert q.attempt_over("z") == "aborted"
-    assert q.attempt_over("z", named_culprit=True) == "aborted"
-    assert q.attempt_over("z") == "aborted"
+    assert q.attempt_over("z", True, 130.0) == "aborted"
+    assert q.attempt_over("z", True, 131.0) == "aborted"
+    assert q.attempt_over("z", False, 132.0) == "aborted"
+    assert q.attempt_over("z", True, 133.0) == "aborted"
+    assert q.attempt_over("z", False, 134.0) == "aborted"
 
 
 def test_the_tables_are_bounded_whoever_offends():
