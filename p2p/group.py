@@ -411,7 +411,7 @@ class Group:
                 return next((j for j in others if j not in inputs), None)
         return next((j for j in others if j not in self.votes), None)
 
-    def abort_named_a_culprit(self, member: str) -> bool:
+    def abort_named_a_culprit(self, member: str | None) -> bool:
         """Whether ``member``'s abort named another member it failed on."""
         return self._named.get(member, False)
 

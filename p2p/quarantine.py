@@ -29,11 +29,10 @@ LIES = frozenset({
     "bad_payload", "bad_weight", "non_finite", "bad_size", "duplicate_part", "bad_lane", "weight_capped",
     "audit_failed", "owner_misreported", "bad_members", "bad_vote", "bad_evidence",
 })
-# A fault repeated at once, with nothing between to excuse it (``attempt_over``): quarantines.
-REPEATED = frozenset({"aborted_again"})
 # Offences an honest peer may commit by bad luck (a leader whose begin was lost, whose view of
 # the quorum was not ours): counted as strikes.
 FAULTS = frozenset({"aborted", "refused", "silent_leader", "uncertified_state", "stream_flood"})
+# Any other offence quarantines at once, like a lie: ``aborted_again`` (``attempt_over``).
 STRIKES = 3
 
 

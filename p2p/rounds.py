@@ -179,12 +179,12 @@ class RoundProtocol:
         feedback = self.ensure_feedback(numel)
         residual = feedback.residual if feedback is not None else None
         flat = base_vector(tensors) if donate else None
-        if flat is None:
+        donated = flat is not None
+        if not donated:
             # A copy of ~4 bytes per parameter, the residual added on the way: not on the event loop.
             flat = await off_loop(flatten, tensors, self.plane.buffer("flat", numel), residual)
-            fresh = fresh_copy = True
+            fresh = True
         else:
-            fresh_copy = False
             fresh = self._donated is None or self._donated() is not flat
             if fresh:
                 # Noted first: a cancelled wait does not stop the thread from adding it.
@@ -195,7 +195,7 @@ class RoundProtocol:
             await off_loop(_hostile_input, flat, self.hostile)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state, donated=not fresh_copy)
+        self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state, donated)
         self._waiting_set.set()
         self.swarm.announce(state="ready", round=round)
         try:
@@ -287,8 +287,7 @@ class RoundProtocol:
         attempt before too: ``Quarantine.attempt_over``). Returns them."""
         blamed = dict(group.blame)
         starter = group.abort_starter()
-        offence = self.quarantine.attempt_over(starter, starter is not None and group.abort_named_a_culprit(starter),
-                                               time.monotonic())
+        offence = self.quarantine.attempt_over(starter, group.abort_named_a_culprit(starter), time.monotonic())
         if starter is not None:
             blamed.setdefault(starter, offence)
         for peer, reason in blamed.items():
