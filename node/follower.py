@@ -255,7 +255,7 @@ class RankFollower:
         self.plane.leave(group)
         if h.get("commit"):
             self.plane.committed(group)
-            self.averaged = unflatten(group.result, self.delta, copy=False)
+            self.averaged = unflatten(await self.compute(group.materialize), self.delta, copy=False)
         return {}
 
     async def _op_apply_outer(self, h: dict) -> dict:

@@ -124,6 +124,12 @@ class Codec(abc.ABC):
         """Decode ``numel`` values (into ``out`` if given, and return it); raises CodecError for a
         mis-sized or invalid payload, after which ``out`` holds garbage."""
 
+    def check(self, data: bytes | bytearray | memoryview, numel: int) -> None:
+        """Raise CodecError where ``decode`` would, keeping no values: a payload that passes
+        decodes later without error (what a member holds of a round's average until it
+        commits). Decoding to a scratch vector here; cheaper where a codec can say so."""
+        self.decode(data, numel)
+
 
 def all_finite(values: torch.Tensor) -> bool:
     """True if no value is NaN or Inf."""
@@ -171,6 +177,11 @@ class FloatCodec(Codec):
         if not all_finite(out):
             raise CodecError("non_finite_value")
         return out
+
+    def check(self, data: bytes | bytearray | memoryview, numel: int) -> None:
+        raw, _ = _payload(self, data, numel)
+        if not all_finite(raw.view(self.dtype)):  # a cast to fp32 is finite iff its source is
+            raise CodecError("non_finite_value")
 
 
 class BlockCodec(Codec):
@@ -232,7 +243,8 @@ class BlockCodec(Codec):
             codes[offset : offset + packed.numel()] = packed.view(-1)
         return out.numpy().tobytes()
 
-    def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _split(self, data: bytes | bytearray | memoryview, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A payload's scales (checked) and code bytes."""
         raw, _ = _payload(self, data, numel)
         nblocks = -(-numel // self.block_size)
         scales, codes = raw[: 4 * nblocks].view(torch.float32), raw[4 * nblocks :]
@@ -242,6 +254,10 @@ class BlockCodec(Codec):
             raise CodecError("negative_scale")
         if (scales > SCALE_LIMIT).any():
             raise CodecError("scale_overflow")
+        return scales, codes
+
+    def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        scales, codes = self._split(data, numel)
         out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
         for start, count, length in self._pieces(numel):
             first = start // self.block_size
@@ -266,9 +282,17 @@ class Int8Codec(BlockCodec):
         return codes.view(torch.uint8)
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-        if int(codes.view(torch.int8).min()) == -128:  # outside the symmetric grid
-            raise CodecError("bad_code", "int8 code -128")
+        self._check_codes(codes)
         torch.mul(codes.view(torch.int8), scale.unsqueeze(1), out=out)
+
+    @staticmethod
+    def _check_codes(codes: torch.Tensor) -> None:
+        if codes.numel() and int(codes.view(torch.int8).min()) == -128:  # outside the symmetric grid
+            raise CodecError("bad_code", "int8 code -128")
+
+    def check(self, data: bytes | bytearray | memoryview, numel: int) -> None:
+        # Valid scales and codes decode to finite values: |level| <= 127, scale <= SCALE_LIMIT.
+        self._check_codes(self._split(data, numel)[1])
 
 
 class Nibble4Codec(BlockCodec):

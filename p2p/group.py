@@ -157,7 +157,6 @@ class Group:
         self.bounds = part_bounds(self.flat.numel(), len(self.members))
         # pieces[j][k]: the elements of piece k of part j, the same on every member.
         self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
-        self.result = torch.empty_like(self.flat)
         # What the receivers decode of our contribution to our own part, filled as its pieces are
         # encoded: we average our piece as everyone else would decode it.
         own_start, own_end = self.bounds[self.index]
@@ -180,6 +179,12 @@ class Group:
         self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
         # piece_digest of every averaged piece of every part, filled as they are placed.
         self._placed: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
+        # The averaged pieces as their owners encoded them (checked), until the round commits:
+        # only then are they decoded, over ``flat`` (``materialize``). An encoded average is what
+        # a member holds of the round's result meanwhile (1 byte per value for int8, 0.5 for a
+        # 4-bit codec) instead of a second fp32 vector; ``flat`` must stay whole until then,
+        # for audits and for a retry if the attempt fails.
+        self._averaged: list[list[bytes | bytearray | None]] = [[None] * len(p) for p in self.pieces]
         # What each owner declared of each averaged piece's inputs (for the audit).
         self.declared: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
         # Per piece of our part: sender index -> input_hash of its encoded piece.
@@ -230,6 +235,14 @@ class Group:
         if not all_finite(values):  # the codecs already refuse these; never let one through
             raise RoundFailed("non_finite")
         return values
+
+    def _check(self, index: int, k: int, data: bytes) -> None:
+        """Refuse averaged piece ``k`` of part ``index`` if it would not decode (``Codec.check``)."""
+        start, end = self.pieces[index][k]
+        try:
+            self.codec.check(data, end - start)
+        except CodecError as e:
+            raise RoundFailed("bad_payload", e.reason) from None
 
     # ---- tensor work: pure, on disjoint slices, safe in a worker thread -----------
 
@@ -327,10 +340,23 @@ class Group:
     def place_piece(self, index: int, k: int, data: bytes, declared: bytes = b"") -> None:
         """Store piece ``k`` of the average of part ``index`` (from its owner, or our own), with the
         owner's declaration of its inputs."""
-        start, end = self.pieces[index][k]
-        self._decode(index, k, data, self.result[start:end])
+        self._check(index, k, data)
+        self._averaged[index][k] = data
         self._placed[index][k] = piece_digest(data, declared)
         self.declared[index][k] = declared or None
+
+    def materialize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The average, decoded into ``out`` (returned), by default over ``flat``: only once the
+        round committed, when nobody needs our contribution any more (every member voted after
+        its audit). Every piece was checked when it was placed, so none fails here."""
+        assert all(d is not None for part in self._placed for d in part), "materialize before every piece was placed"
+        out = self.flat if out is None else out
+        assert out.shape == self.flat.shape and out.dtype == torch.float32 and out.is_contiguous()
+        for index, part in enumerate(self.pieces):
+            for k, (start, end) in enumerate(part):
+                self._decode(index, k, self._averaged[index][k], out[start:end])
+                self._averaged[index][k] = None
+        return out
 
     # ---- audit: a sampled piece of another member's part, recomputed ----------------
 

@@ -211,7 +211,7 @@ class RoundProtocol:
         self.swarm.announce(state="averaging")
         faults.checkpoint("grouped", round + 1, len(group.members))
         try:
-            result = await self._allreduce(group)
+            await self._allreduce(group)
         except (RoundFailed, asyncio.CancelledError) as e:
             reason = e.reason if isinstance(e, RoundFailed) else "stopping"
             await asyncio.shield(self._broadcast_abort(group, reason))
@@ -238,7 +238,10 @@ class RoundProtocol:
                                  blamed)
         self.signing.committed(group.id, group.members, round + 1)
         faults.checkpoint("commit", round + 1, len(group.members))
-        return unflatten(result, tensors, copy=False)  # the group's result buffer is ours alone now
+        # Donated: over our contribution, which nobody needs now. Otherwise ``flat`` is the
+        # plane's buffer, which the next round fills again: the result is the caller's own.
+        out = None if donated else torch.empty(numel, dtype=torch.float32)
+        return unflatten(await off_loop(group.materialize, out), tensors, copy=False)
 
     # ---- gather: who is in this round ----------------------------------------------
 
@@ -467,7 +470,7 @@ class RoundProtocol:
 
     # ---- all-reduce and vote ----------------------------------------------------------
 
-    async def _allreduce(self, group: Group) -> torch.Tensor:
+    async def _allreduce(self, group: Group) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.deadlines.deadline()
         if self.hostile.abort:
@@ -487,7 +490,6 @@ class RoundProtocol:
         await self._to_all(group, others, {"g": group.id, "digest": vote}, group.agreed(deadline))
         if len(set(group.votes.values())) != 1:
             raise RoundFailed("digest_mismatch")
-        return group.result
 
     async def _to_all(self, group: Group, others: list[str], header: dict, until) -> None:
         """Send our vote to every other member and wait for ``until`` (all or fail).

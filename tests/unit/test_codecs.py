@@ -437,3 +437,33 @@ def test_the_config_knows_every_codec_by_name():
     assert tuple(CODECS) == CODEC_NAMES
     with pytest.raises(ValueError, match="swarm.codec"):
         SwarmConfig(codec="int2")
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_check_refuses_exactly_what_decode_refuses(name):
+    """Corrupted payloads (random bytes written over a valid one): ``check`` raises the reason
+    ``decode`` raises, and passes only payloads that decode (what a round keeps encoded)."""
+    codec, gen = CODECS[name], torch.Generator().manual_seed(7)
+    numel = 1000 + 3  # an odd last block
+    payload = bytearray(codec.encode(torch.randn(numel, generator=gen)))
+    outcomes = set()
+    for trial in range(300):
+        data = bytearray(payload)
+        for _ in range(1 + trial % 4):
+            at = int(torch.randint(len(data), (1,), generator=gen))
+            data[at] = int(torch.randint(256, (1,), generator=gen))
+        try:
+            codec.decode(bytes(data), numel)
+            expected = None
+        except CodecError as e:
+            expected = e.reason
+        try:
+            codec.check(bytes(data), numel)
+            got = None
+        except CodecError as e:
+            got = e.reason
+        assert (got is None) == (expected is None), (trial, got, expected)
+        outcomes.add(expected is None)
+    assert outcomes == {True, False}  # both kinds were tried
+    with pytest.raises(CodecError, match="bad_size"):
+        codec.check(bytes(payload[:-1]), numel)

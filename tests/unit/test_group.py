@@ -112,7 +112,6 @@ def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
         group.digest()  # a piece is missing
     start, end = group.pieces[0][0]
     group.place_piece(0, 0, codec.encode(flat[start:end]))
-    assert torch.equal(group.result, flat)
     vote = group.digest()
     assert vote == digest([piece_digest(codec.encode(flat[s:e])) for j in range(2) for s, e in group.pieces[j]], group.id)
     other = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, codec)
@@ -123,6 +122,45 @@ def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
         other.place_piece(j, k, codec.encode(changed[start:end]))
     assert other.digest() != digest([piece_digest(codec.encode(flat[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
     assert other.digest() == digest([piece_digest(codec.encode(changed[s:e])) for j in range(2) for s, e in other.pieces[j]], other.id)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "fp4"])
+def test_the_average_is_kept_encoded_until_commit_then_decoded_over_our_contribution(name, monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    codec = get_codec(name)
+    flat, average = torch.randn(3001), torch.randn(3001)
+    original = flat.clone()
+    group = Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec)
+    for j, part in enumerate(group.pieces):
+        for k, (start, end) in enumerate(part):
+            group.place_piece(j, k, codec.encode(average[start:end]))
+    # Until the round commits our contribution stays whole (audits, a retry) and no fp32 result exists.
+    assert torch.equal(flat, original)
+    stored = sum(len(d) for part in group._averaged for d in part)
+    assert stored == sum(group.wire_bytes(j) for j in range(3))
+    assert group.materialize() is flat
+    expected = torch.cat([codec.decode(codec.encode(average[s:e]), e - s) for part in group.pieces for s, e in part])
+    assert torch.equal(flat, expected)
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("fp32", lambda data: torch.tensor([float("nan")]).numpy().tobytes() + data[4:]),
+    ("bf16", lambda data: torch.tensor([float("inf")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes() + data[2:]),
+    ("int8", lambda data: data[:-1] + bytes([0x80])),  # code -128
+    ("int8", lambda data: torch.tensor([float("inf")]).numpy().tobytes() + data[4:]),  # a scale
+    ("fp4", lambda data: data[:-1] + bytes([0x00])),  # code 0
+])
+def test_an_averaged_piece_that_would_not_decode_is_refused_when_placed(name, bad, monkeypatch):
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    codec = get_codec(name)
+    flat = torch.randn(1000)
+    group = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, codec)
+    start, end = group.pieces[1][0]
+    data = codec.encode(torch.randn(end - start))
+    with pytest.raises(RoundFailed) as e:
+        group.place_piece(1, 0, bad(data))
+    assert e.value.reason == "bad_payload"
+    group.place_piece(1, 0, data)  # the same piece well formed is placed
 
 
 def test_an_abort_is_pinned_on_its_starter_also_when_its_dropped_stream_failed_us_first():

@@ -497,12 +497,20 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
             await asyncio.sleep(0.05)
         alone.cancel()  # ...and ends without a group; the same tensors go again
         await asyncio.gather(alone, return_exceptions=True)
+        compensated = before + residual
+        assert torch.equal(mine, compensated)
         others = [torch.randn(1217) for _ in peers[1:]]
         results = await asyncio.wait_for(asyncio.gather(
             a.average(tensors, 1.0, 1, donate=True),
             *(r.average(_views(v, shapes), 1.0, 1, donate=True) for (_, r, _), v in zip(peers[1:], others))), 60)
         assert all(res is not None for res in results), [r.last for _, r, _ in peers]
-        assert torch.equal(mine, before + residual)  # added once, over two attempts
+        # The residual was added once over two attempts: the next one is what the codec dropped of that.
+        c = get_codec("int8")
+        sent = torch.cat([c.decode(c.encode(compensated[s:e].contiguous()), e - s) for s, e in part_bounds(1217, 3)])
+        assert torch.equal(a.feedback.residual, compensated - sent)
         assert a.feedback.residual is buffer and "residual" not in a.plane._buffers
+        # The average was decoded over the donated vector once the round committed: no other result vector.
+        assert all(t.data_ptr() == v.data_ptr() for t, v in zip(results[0], tensors))
+        assert torch.equal(mine, torch.cat([t.reshape(-1) for t in results[1]]))
     finally:
         await stop_peers(peers)
