@@ -238,9 +238,11 @@ class RoundProtocol:
                                  blamed)
         self.signing.committed(group.id, group.members, round + 1)
         faults.checkpoint("commit", round + 1, len(group.members))
-        # Donated: over our contribution, which nobody needs now. Otherwise ``flat`` is the
+        # Donated: over our contribution, which nobody needs now (the vector holds the average
+        # from here on: given again, it is a new round's input). Otherwise ``flat`` is the
         # plane's buffer, which the next round fills again: the result is the caller's own.
         out = None if donated else torch.empty(numel, dtype=torch.float32)
+        self._donated = None
         return unflatten(await off_loop(group.materialize, out), tensors, copy=False)
 
     # ---- gather: who is in this round ----------------------------------------------

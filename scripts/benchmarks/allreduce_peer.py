@@ -166,7 +166,9 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
             await asyncio.sleep(0.1)
         await abarrier(workdir, "joined", args.index, args.peers, deadline)
         repeats, result = [], None
+        given = x.clone()
         for r in range(args.warmup + args.repeats):
+            x.copy_(given)  # as a node does: the round takes the vector (donated) and leaves the average in it
             await abarrier(workdir, f"round{r}", args.index, args.peers, deadline)
             sent0 = metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0
             nic0 = nic_tx_bytes()
@@ -174,7 +176,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
             t_enter = time.time()
             aborted = []
             # An aborted attempt is retried, as the node does; its time stays in this repeat's.
-            while (out := await rounds.average([x], 1.0, r)) is None:
+            while (out := await rounds.average([x], 1.0, r, donate=True)) is None:
                 last = rounds.last
                 aborted.append({"status": last.status, "reason": last.reason, "allreduce_s": last.allreduce_seconds})
                 print(f"round {r}: attempt {len(aborted)} {last.status} ({last.reason}) after "

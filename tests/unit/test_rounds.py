@@ -512,5 +512,17 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
         # The average was decoded over the donated vector once the round committed: no other result vector.
         assert all(t.data_ptr() == v.data_ptr() for t, v in zip(results[0], tensors))
         assert torch.equal(mine, torch.cat([t.reshape(-1) for t in results[1]]))
+        # Given again, the vector (the average now) is the next round's input: its residual is added.
+        held, residual = mine.clone(), a.feedback.residual.clone()
+        for s, _, _ in peers:
+            s.announce(state="training", round=2)
+        again = asyncio.ensure_future(a.average(tensors, 1.0, 2, donate=True))
+        for _ in range(600):
+            if a._waiting is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert torch.equal(mine, held + residual)
+        again.cancel()
+        await asyncio.gather(again, return_exceptions=True)
     finally:
         await stop_peers(peers)
