@@ -33,8 +33,8 @@ the round, so ``wire_bytes(numel)`` is the exact payload size):
 built with another one (its name then says so, e.g. ``int8-b128``, so peers
 that agree on a name agree on the format).
 
-int4 and fp4 encode and decode with C kernels (``p2p/nibble.c``, loaded by
-``p2p/native.py``) where they can be built; the torch code here is their
+int8, int4 and fp4 encode and decode with C kernels (``p2p/nibble.c``, loaded
+by ``p2p/native.py``) where they can be built; the torch code here is their
 reference and fallback, and gives the same bytes and the same values.
 """
 
@@ -196,17 +196,26 @@ class BlockCodec(Codec):
     ``_dequantize(codes, scale, out)`` (writes the values into ``out``, raising
     CodecError for codes no encoder produces). Both compute a value as its
     level times its block's scale, one fp32 multiply, so the two agree bit for bit.
+    That torch code is the reference of the C kernels (``p2p/native.py``, kind
+    ``base_name``), used where they are built and ``native`` is true.
     """
 
     base_name: str
     qmax: float
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS,
+                 native: bool = True) -> None:
         if block_size < 2 or block_size % 2:
             raise ValueError(f"block_size must be an even number >= 2, got {block_size}")
         self.block_size = self.align = block_size
         self.name = self.base_name if block_size == DEFAULT_BLOCK_SIZE else f"{self.base_name}-b{block_size}"
         self.chunk_blocks = max(1, chunk_elems // block_size)  # speed only: the bytes do not depend on it
+        # Encode and decode with the C kernels (p2p/native.py) where they can be built; the torch
+        # code below is the reference they are tested against, and the fallback.
+        self.native = native
+
+    def kernels(self) -> native_kernels.CodecKernels | None:
+        return native_kernels.kernels() if self.native else None
 
     def wire_bytes(self, numel: int) -> int:
         full, rest = divmod(numel, self.block_size)
@@ -223,10 +232,19 @@ class BlockCodec(Codec):
 
     def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
         _check_input(x)
-        numel, nblocks = x.numel(), -(-x.numel() // self.block_size)
         if decoded is not None:
-            check_vector(decoded, numel, "encode decoded=")
-        out = torch.empty(self.wire_bytes(numel), dtype=torch.uint8)
+            check_vector(decoded, x.numel(), "encode decoded=")
+        out = torch.empty(self.wire_bytes(x.numel()), dtype=torch.uint8)
+        kernels = self.kernels()
+        if kernels is None:
+            self._encode_reference(x, out, decoded)
+        elif reason := kernels.encode(self.base_name, x, self.block_size, out, decoded):
+            raise CodecError(reason)
+        return out.numpy().tobytes()
+
+    def _encode_reference(self, x: torch.Tensor, out: torch.Tensor, decoded: torch.Tensor | None) -> None:
+        """``encode`` in torch ops, chunk by chunk: the payload into ``out``, its values into ``decoded``."""
+        numel, nblocks = x.numel(), -(-x.numel() // self.block_size)
         scales, codes = out[: 4 * nblocks].view(torch.float32), out[4 * nblocks :]
         for start, count, length in self._pieces(numel):
             blocks = x[start : start + count * length].view(count, length)
@@ -241,7 +259,6 @@ class BlockCodec(Codec):
             packed = self._quantize(blocks / torch.where(scale > 0, scale, 1.0).unsqueeze(1), scale.unsqueeze(1), values)
             offset = first * self.block_bytes(self.block_size)
             codes[offset : offset + packed.numel()] = packed.view(-1)
-        return out.numpy().tobytes()
 
     def _split(self, data: bytes | bytearray | memoryview, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A payload's scales (checked) and code bytes."""
@@ -257,6 +274,17 @@ class BlockCodec(Codec):
         return scales, codes
 
     def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        kernels = self.kernels()
+        if kernels is None:
+            return self._decode_reference(data, numel, out)
+        raw, _ = _payload(self, data, numel)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
+        if reason := kernels.decode(self.base_name, raw, numel, self.block_size, out):
+            raise CodecError(reason)
+        return out
+
+    def _decode_reference(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``decode`` in torch ops, chunk by chunk."""
         scales, codes = self._split(data, numel)
         out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
         for start, count, length in self._pieces(numel):
@@ -312,39 +340,11 @@ class Nibble4Codec(BlockCodec):
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_elems: int = CHUNK_ELEMS,
                  native: bool = True) -> None:
-        super().__init__(block_size, chunk_elems=chunk_elems)
+        super().__init__(block_size, chunk_elems=chunk_elems, native=native)
         byte = torch.arange(256)
         # The value of each possible byte's low and high nibble: decoding a
         # block's two halves is one gather each, written contiguously.
         self.low_values, self.high_values = self.values16[byte & 15], self.values16[byte >> 4]
-        # Encode and decode with the C kernels (p2p/native.py) where they can be built; the torch
-        # code below is the reference they are tested against, and the fallback.
-        self.native = native
-
-    def kernels(self) -> native_kernels.NibbleKernels | None:
-        return native_kernels.kernels() if self.native else None
-
-    def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
-        kernels = self.kernels()
-        if kernels is None:
-            return super().encode(x, decoded)
-        _check_input(x)
-        if decoded is not None:
-            check_vector(decoded, x.numel(), "encode decoded=")
-        out = torch.empty(self.wire_bytes(x.numel()), dtype=torch.uint8)
-        if reason := kernels.encode(self.base_name, x, self.block_size, out, decoded):
-            raise CodecError(reason)
-        return out.numpy().tobytes()
-
-    def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        kernels = self.kernels()
-        if kernels is None:
-            return super().decode(data, numel, out)
-        raw, _ = _payload(self, data, numel)
-        out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
-        if reason := kernels.decode(self.base_name, raw, numel, self.block_size, out):
-            raise CodecError(reason)
-        return out
 
     def block_bytes(self, length: int) -> int:
         return (length + 1) // 2

@@ -1,4 +1,4 @@
-"""The C kernels of the 4-bit codecs (``nibble.c``): built once per machine, loaded with ctypes.
+"""The C kernels of the block codecs int8, int4 and fp4 (``nibble.c``): built once per machine, loaded with ctypes.
 
 ``kernels()`` gives the loaded kernels, or None where they cannot be had: no C
 compiler, a build that fails, or ``GONKA_NATIVE=0`` in the environment. The
@@ -39,36 +39,44 @@ BUILD_TIMEOUT_S = 120.0
 # Return codes of the kernels, as p2p.codecs.CodecError reasons.
 ERRORS = {1: "non_finite_input", 2: "non_finite_scale", 3: "negative_scale", 4: "scale_overflow", 5: "bad_code",
           6: "bad_padding"}
-KINDS = {"int4": 0, "fp4": 1}
+# The kind argument of gonka_nibble_encode/decode; int8 has entry points of its own.
+NIBBLE_KINDS = {"int4": 0, "fp4": 1}
 
 
-class NibbleKernels:
-    """``encode``/``decode`` of whole vectors in the int4 or fp4 wire format, on raw tensor memory."""
+class CodecKernels:
+    """``encode``/``decode`` of whole vectors in the int8, int4 or fp4 wire format, on raw tensor memory."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._encode, self._decode = lib.gonka_nibble_encode, lib.gonka_nibble_decode
+        self._nibble_encode, self._nibble_decode = lib.gonka_nibble_encode, lib.gonka_nibble_decode
+        self._int8_encode, self._int8_decode = lib.gonka_int8_encode, lib.gonka_int8_decode
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._encode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr]
-        self._decode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
-        self._encode.restype = self._decode.restype = ctypes.c_int
+        self._nibble_encode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr]
+        self._nibble_decode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+        self._int8_encode.argtypes = [ptr, i64, i64, ptr, ptr]
+        self._int8_decode.argtypes = [ptr, i64, i64, ptr]
+        for function in (self._nibble_encode, self._nibble_decode, self._int8_encode, self._int8_decode):
+            function.restype = ctypes.c_int
 
     def encode(self, kind: str, x: torch.Tensor, block: int, out: torch.Tensor, decoded: torch.Tensor | None) -> str | None:
         """Fill ``out`` (uint8, the exact wire size) from ``x`` (and ``decoded``); an error reason or None.
 
-        The caller checks every shape, dtype and contiguity: the kernel trusts them."""
-        code = self._encode(KINDS[kind], x.data_ptr(), x.numel(), block, out.data_ptr(),
-                            None if decoded is None else decoded.data_ptr())
+        ``kind``: "int8", "int4" or "fp4". The caller checks every shape, dtype and contiguity: the
+        kernel trusts them."""
+        args = (x.data_ptr(), x.numel(), block, out.data_ptr(), None if decoded is None else decoded.data_ptr())
+        code = self._int8_encode(*args) if kind == "int8" else self._nibble_encode(NIBBLE_KINDS[kind], *args)
         return self._reason(code)
 
     def decode(self, kind: str, payload: torch.Tensor, numel: int, block: int, out: torch.Tensor) -> str | None:
         """Decode ``payload`` (uint8, already checked to be the exact wire size) into ``out``; an error reason or None."""
-        return self._reason(self._decode(KINDS[kind], payload.data_ptr(), numel, block, out.data_ptr()))
+        args = (payload.data_ptr(), numel, block, out.data_ptr())
+        code = self._int8_decode(*args) if kind == "int8" else self._nibble_decode(NIBBLE_KINDS[kind], *args)
+        return self._reason(code)
 
     @staticmethod
     def _reason(code: int) -> str | None:
         if code < 0:
-            raise ValueError("nibble kernels: bad block size or numel")
+            raise ValueError("codec kernels: bad block size or numel")
         return ERRORS.get(code) if code else None
 
 
@@ -108,7 +116,7 @@ def build(compiler: list[str] | None = None) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def kernels() -> NibbleKernels | None:
+def kernels() -> CodecKernels | None:
     """The kernels, built on first use; None (after one warning) where they cannot be had."""
     if os.environ.get("GONKA_NATIVE", "1") == "0":
         return None
@@ -116,15 +124,15 @@ def kernels() -> NibbleKernels | None:
         return None
     try:
         path = build()
-        return NibbleKernels(ctypes.CDLL(str(path)), path)
+        return CodecKernels(ctypes.CDLL(str(path)), path)
     except subprocess.CalledProcessError as e:
         detail = (e.stderr or "").strip().splitlines()[:1]
-        log.warning("4-bit codec kernels did not build (%s); using the slower torch code", detail or e)
+        log.warning("codec kernels did not build (%s); using the slower torch code", detail or e)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        log.warning("4-bit codec kernels unavailable (%s); using the slower torch code", e)
+        log.warning("codec kernels unavailable (%s); using the slower torch code", e)
     return None
 
 
 if __name__ == "__main__":  # scripts/setup: build now rather than on the first round
     found = kernels()
-    print(f"4-bit codec kernels: {found.path if found else 'unavailable, the torch code is used'}")
+    print(f"codec kernels: {found.path if found else 'unavailable, the torch code is used'}")

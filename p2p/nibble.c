@@ -1,4 +1,4 @@
-/* Fused kernels of the 4-bit block codecs, int4 and fp4 (wire format: p2p/codecs.py).
+/* Fused kernels of the block codecs: int8, and the 4-bit int4 and fp4 (wire format: p2p/codecs.py).
  *
  * p2p/native.py builds this file with the system C compiler and calls it through
  * ctypes, which releases the GIL. The torch code in p2p/codecs.py is the
@@ -11,8 +11,8 @@
  * Each block (1 KB of fp32 by default) is worked on while it is in cache, instead
  * of a dozen whole-array torch passes and their temporaries: on two shared cores
  * those temporaries fell out of cache and the codec dominated the all-reduce's
- * CPU time. The encoder fills "decoded" by unpacking its own output with the
- * decoder's code, so what it reports is what every receiver decodes.
+ * CPU time. The encoders fill "decoded" by unpacking their own output with the
+ * decoder's code, so what they report is what every receiver decodes.
  */
 #include <stdint.h>
 #include <string.h>
@@ -63,6 +63,26 @@ static uint32_t absmax_bits(const float *x, int64_t n) {
         m = a > m ? a : m;
     }
     return m;
+}
+
+/* A block's scale from the pattern of its (finite) absmax, as BlockCodec.encode computes it. */
+static inline float scale_of(uint32_t m, float qmax) {
+    float scale = float_of(m) / qmax;
+    return scale > SCALE_LIMIT ? SCALE_LIMIT : scale;
+}
+
+/* OK, or the first of NON_FINITE_SCALE, NEGATIVE_SCALE, SCALE_OVERFLOW that any of a payload's
+ * nblocks scales fails: BlockCodec._split's order. */
+static int check_scales(const uint8_t *data, int64_t nblocks) {
+    int non_finite = 0, negative = 0, overflow = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        float s;
+        memcpy(&s, data + 4 * b, 4); /* the payload need not be aligned */
+        non_finite |= !__builtin_isfinite(s);
+        negative |= s < 0;
+        overflow |= s > SCALE_LIMIT;
+    }
+    return non_finite ? NON_FINITE_SCALE : negative ? NEGATIVE_SCALE : overflow ? SCALE_OVERFLOW : OK;
 }
 
 static inline uint32_t int4_code(float v) {
@@ -126,8 +146,7 @@ int gonka_nibble_encode(int kind, const float *x, int64_t numel, int64_t block, 
         uint32_t m = absmax_bits(x + start, n);
         if (m >= 0x7F800000u)
             return NON_FINITE_INPUT;
-        float scale = float_of(m) / qmax;
-        scale = scale > SCALE_LIMIT ? SCALE_LIMIT : scale;
+        float scale = scale_of(m, qmax);
         memcpy(out + 4 * b, &scale, 4);
         float divisor = scale > 0 ? scale : 1.0f; /* an all-zero block: codes of 0 */
         uint8_t *packed = codes + b * (block / 2);
@@ -146,20 +165,9 @@ int gonka_nibble_decode(int kind, const uint8_t *data, int64_t numel, int64_t bl
     if (block < 2 || block % 2 || numel < 0)
         return -1;
     int64_t nblocks = (numel + block - 1) / block, full = numel / block;
-    int non_finite = 0, negative = 0, overflow = 0;
-    for (int64_t b = 0; b < nblocks; b++) {
-        float s;
-        memcpy(&s, data + 4 * b, 4); /* the payload need not be aligned */
-        non_finite |= !__builtin_isfinite(s);
-        negative |= s < 0;
-        overflow |= s > SCALE_LIMIT;
-    }
-    if (non_finite)
-        return NON_FINITE_SCALE;
-    if (negative)
-        return NEGATIVE_SCALE;
-    if (overflow)
-        return SCALE_OVERFLOW;
+    int error = check_scales(data, nblocks);
+    if (error)
+        return error;
     const uint8_t *codes = data + 4 * nblocks;
     int zero = 0;
     for (int64_t b = 0; b < full; b++) {
@@ -180,4 +188,68 @@ int gonka_nibble_decode(int kind, const uint8_t *data, int64_t numel, int64_t bl
             return BAD_CODE;
     }
     return OK;
+}
+
+/* int8: one code per value, clamp(round(v), -127, 127) as in Int8Codec._quantize; -128 is invalid. */
+MULTIVERSION
+static void pack_int8(const float *x, int64_t n, float divisor, uint8_t *out) {
+    for (int64_t j = 0; j < n; j++) {
+        float q = __builtin_nearbyintf(x[j] / divisor); /* round half to even, as torch.round */
+        q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+        out[j] = (uint8_t)(int8_t)(int32_t)q;
+    }
+}
+
+/* The values of one block's int8 codes times scale; nonzero if a code is -128 (invalid). */
+MULTIVERSION
+static int unpack_int8(const uint8_t *in, int64_t n, float scale, float *out) {
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < n; j++) {
+        bad |= in[j] == 0x80;
+        out[j] = (float)(int8_t)in[j] * scale;
+    }
+    return bad != 0;
+}
+
+/* Encode numel values in the int8 format: nblocks fp32 scales (absmax / 127), then numel codes,
+ * into out; into decoded, if not NULL, what decoding out gives. Returns OK or NON_FINITE_INPUT
+ * (out and decoded then hold garbage). */
+int gonka_int8_encode(const float *x, int64_t numel, int64_t block, uint8_t *out, float *decoded) {
+    if (block < 2 || block % 2 || numel < 0)
+        return -1;
+    int64_t nblocks = (numel + block - 1) / block;
+    uint8_t *codes = out + 4 * nblocks;
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t start = b * block, n = numel - start < block ? numel - start : block;
+        uint32_t m = absmax_bits(x + start, n);
+        if (m >= 0x7F800000u)
+            return NON_FINITE_INPUT;
+        float scale = scale_of(m, 127.0f);
+        memcpy(out + 4 * b, &scale, 4);
+        pack_int8(x + start, n, scale > 0 ? scale : 1.0f, codes + start); /* an all-zero block: codes of 0 */
+        if (decoded)
+            unpack_int8(codes + start, n, scale, decoded + start);
+    }
+    return OK;
+}
+
+/* Decode an untrusted int8 payload of exactly wire_bytes(numel) bytes into out. Returns OK or,
+ * in the order the torch code checks them, NON_FINITE_SCALE, NEGATIVE_SCALE, SCALE_OVERFLOW
+ * (any scale), then BAD_CODE (any code -128). out then holds garbage. */
+int gonka_int8_decode(const uint8_t *data, int64_t numel, int64_t block, float *out) {
+    if (block < 2 || block % 2 || numel < 0)
+        return -1;
+    int64_t nblocks = (numel + block - 1) / block;
+    int error = check_scales(data, nblocks);
+    if (error)
+        return error;
+    const uint8_t *codes = data + 4 * nblocks;
+    int bad = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t start = b * block, n = numel - start < block ? numel - start : block;
+        float s;
+        memcpy(&s, data + 4 * b, 4);
+        bad |= unpack_int8(codes + start, n, s, out + start);
+    }
+    return bad ? BAD_CODE : OK;
 }

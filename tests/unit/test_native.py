@@ -1,5 +1,5 @@
-"""The C kernels of the 4-bit codecs against their torch reference: same bytes, same values, same errors;
-and how they are built, cached and given up on."""
+"""The C kernels of the block codecs (int8, int4, fp4) against their torch reference: same bytes, same values,
+same errors; and how they are built, cached and given up on."""
 
 import logging
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2p import native
-from p2p.codecs import CodecError, FP4Codec, Int4Codec
+from p2p.codecs import CodecError, FP4Codec, Int4Codec, Int8Codec
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -18,7 +18,8 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("GONKA_NATIVE") == "0", reason="GONKA_NATIVE=0 turns the kernels off"),
 ]
 
-CLASSES = {"int4": Int4Codec, "fp4": FP4Codec}
+CLASSES = {"int8": Int8Codec, "int4": Int4Codec, "fp4": FP4Codec}
+NIBBLE = ("int4", "fp4")  # two codes per byte: a pad nibble, code 0 invalid
 SIZES = (0, 1, 2, 3, 5, 255, 256, 257, 511, 4097, 100_003)
 
 
@@ -83,8 +84,9 @@ def test_hostile_bytes_fail_the_same_way(name, block):
             junk = bytearray(torch.randint(0, 256, (len(valid),), generator=g, dtype=torch.uint8).numpy().tobytes())
             if trial % 2:  # valid scales, random codes: reach the code and padding checks
                 junk[: 4 * nblocks] = valid[: 4 * nblocks]
-            if trial % 4 == 3:  # all codes valid but one nibble per byte
-                junk[4 * nblocks:] = bytes(b | 0x88 for b in junk[4 * nblocks:])
+            if trial % 4 == 3:  # only valid codes: 8..15 in each nibble, no int8 code -128 (0x80)
+                mask = 0x88 if name in NIBBLE else 0x40
+                junk[4 * nblocks:] = bytes(b | mask for b in junk[4 * nblocks:])
             got, got_reason = reason(fast, bytes(junk), n)
             want, want_reason = reason(reference, bytes(junk), n)
             assert got_reason == want_reason, (n, trial)
@@ -94,11 +96,19 @@ def test_hostile_bytes_fail_the_same_way(name, block):
     assert {"non_finite_scale", "bad_code", None} <= seen
 
 
+def same_reason(fast, reference, data, numel):
+    got = reason(fast, bytes(data), numel)[1]
+    assert got == reason(reference, bytes(data), numel)[1]
+    return got
+
+
 @pytest.mark.parametrize("name", CLASSES)
-def test_each_scale_and_padding_error(name):
+def test_each_scale_error_comes_before_any_code_error(name):
     fast, reference = pair(name, 4)
-    n = 5  # two blocks, the second of one value: a pad nibble
+    n = 5  # two blocks, the second of one value
     payload = bytearray(fast.encode(torch.arange(1.0, 6.0)))
+    payload[8] = 0x80 if name == "int8" else 0x00  # an invalid first code, found only after the scales
+    assert same_reason(fast, reference, payload, n) == "bad_code"
     cases = {
         "non_finite_scale": (0, torch.tensor([float("inf")])),
         "negative_scale": (4, torch.tensor([-1.0])),
@@ -107,12 +117,36 @@ def test_each_scale_and_padding_error(name):
     for expected, (offset, scale) in cases.items():
         bad = bytearray(payload)
         bad[offset:offset + 4] = scale.numpy().tobytes()
-        assert reason(fast, bytes(bad), n)[1] == reason(reference, bytes(bad), n)[1] == expected
+        assert same_reason(fast, reference, bad, n) == expected
+    bad = bytearray(payload)
+    bad[0:4], bad[4:8] = torch.tensor([float("nan")]).numpy().tobytes(), torch.tensor([-1.0]).numpy().tobytes()
+    assert same_reason(fast, reference, bad, n) == "non_finite_scale"  # in the torch order, whichever block
+    bad[0:4], bad[4:8] = torch.tensor([2.0**121]).numpy().tobytes(), torch.tensor([-1.0]).numpy().tobytes()
+    assert same_reason(fast, reference, bad, n) == "negative_scale"
+
+
+@pytest.mark.parametrize("name", NIBBLE)
+def test_padding_error(name):
+    fast, reference = pair(name, 4)
+    n = 5  # two blocks, the second of one value: a pad nibble
+    payload = bytearray(fast.encode(torch.arange(1.0, 6.0)))
     bad = bytearray(payload)
     bad[-1] = (bad[-1] & 0x0F) | 0x30  # the pad nibble must be 8
-    assert reason(fast, bytes(bad), n)[1] == reason(reference, bytes(bad), n)[1] == "bad_padding"
+    assert same_reason(fast, reference, bad, n) == "bad_padding"
     bad[8] = 0x80  # code 0 in the first block comes first
-    assert reason(fast, bytes(bad), n)[1] == reason(reference, bytes(bad), n)[1] == "bad_code"
+    assert same_reason(fast, reference, bad, n) == "bad_code"
+
+
+@pytest.mark.parametrize("block", (4, 256))
+@pytest.mark.parametrize("at", (0, 3, 4, 299))
+def test_int8_code_minus_128_is_refused(block, at):
+    fast, reference = pair("int8", block)
+    n = 300  # a short last block for both sizes
+    payload = bytearray(fast.encode(torch.randn(n, generator=torch.Generator().manual_seed(at))))
+    payload[4 * -(-n // block) + at] = 0x80
+    assert same_reason(fast, reference, payload, n) == "bad_code"
+    payload[4 * -(-n // block) + at] = 0x81  # -127: valid
+    assert torch.equal(bits(fast.decode(bytes(payload), n)), bits(reference.decode(bytes(payload), n)))
 
 
 @pytest.mark.parametrize("name", CLASSES)
