@@ -225,11 +225,11 @@ class Group:
         start, end = self.pieces[index][k]
         return self.codec.wire_bytes(end - start)
 
-    def _decode(self, index: int, k: int, data: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode piece ``k`` of part ``index`` from a peer (into ``out`` if given); refuse anything malformed."""
+    def _decode(self, index: int, k: int, data: bytes) -> torch.Tensor:
+        """Decode piece ``k`` of part ``index`` from a peer; refuse anything malformed."""
         start, end = self.pieces[index][k]
         try:
-            values = self.codec.decode(data, end - start, out)
+            values = self.codec.decode(data, end - start)
         except CodecError as e:
             raise RoundFailed("bad_payload", e.reason) from None
         if not all_finite(values):  # the codecs already refuse these; never let one through
