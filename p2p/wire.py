@@ -348,8 +348,11 @@ class FrameReader(asyncio.BufferedProtocol):
     def _compact(self, spare: int) -> None:
         """Move our bytes to the front of a buffer with at least ``spare`` free bytes after them.
 
-        Always a new bytearray: the transport may still hold a view of the old one."""
+        Always a new bytearray: the transport may still hold a view of the old one. It at least
+        doubles what we hold, so bytes read ahead of the reader (up to READ_AHEAD_BYTES) are
+        moved a bounded number of times in all, not once per read from the transport; and it
+        shrinks back to DIRECT_READ_BYTES once the reader has taken them."""
         held = self._hi - self._lo
-        buf = bytearray(max(len(self._buf), held + spare))
+        buf = bytearray(max(DIRECT_READ_BYTES, 2 * held, held + spare))
         buf[:held] = self._buf[self._lo : self._hi]
         self._buf, self._lo, self._hi = buf, 0, held

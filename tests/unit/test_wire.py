@@ -292,3 +292,40 @@ def test_a_write_to_a_peer_that_does_not_read_times_out(loop_name, monkeypatch):
             stop.set()
 
     run(loop_name, main)
+
+
+class _Transport:
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+def test_bytes_read_ahead_of_the_reader_are_moved_a_bounded_number_of_times(monkeypatch):
+    """The transport fills our buffer in small reads while nobody reads (a busy event loop):
+    each growth at least doubles it, so the bytes held are copied less than twice in all,
+    not once per read (quadratic in what is held)."""
+    frames = FrameReader(_Transport(), asyncio.Protocol())
+    copied = []
+    compact = FrameReader._compact
+
+    def counting(self, spare):
+        copied.append(self._hi - self._lo)
+        compact(self, spare)
+
+    monkeypatch.setattr(FrameReader, "_compact", counting)
+    chunk, total = 16 * 1024, 0
+    while total < READ_AHEAD_BYTES:
+        buf = frames.get_buffer(-1)
+        n = min(chunk, len(buf))
+        buf[:n] = b"y" * n
+        frames.buffer_updated(n)
+        total += n
+    assert frames._hi - frames._lo == total
+    assert sum(copied) < 2 * total, (len(copied), sum(copied))
+    # Once the reader took them, the buffer is small again.
+    frames._lo = frames._hi
+    frames.get_buffer(-1)
+    frames._append(b"z")
+    assert len(frames._buf) <= 2 * p2p.wire.DIRECT_READ_BYTES
