@@ -26,7 +26,9 @@ must not depend on the CPU, its ATEN_CPU_CAPABILITY or the thread count. Only el
 ops that round once per value (add, sub, mul by a scalar; never ``add(alpha=)``, which fuses in
 the vectorized kernels only), reductions that cannot round (max, min, sums of integers held
 exactly) and Python floats are used: a norm is exact up to a truncation of each value, so no
-order of summation can change it (``norm``).
+order of summation can change it (``norm``). Where the C kernels are built (``p2p/native.py``),
+the largest |value|, the norm's integer sum and the weighted sum run there in one pass each, with
+the same operations: the tests compare their bits with this torch code, the reference and fallback.
 
 No overflow: sums and differences of fp32 values near 3.4e38 overflow, so a piece whose largest
 |value| reaches 2^LIMIT_EXP is first scaled down by a power of two (exact for every value above
@@ -40,6 +42,8 @@ import threading
 from typing import Callable, Sequence
 
 import torch
+
+from p2p import native
 
 FLT_MAX = torch.finfo(torch.float32).max
 # Inputs whose largest |value| reaches 2^LIMIT_EXP are scaled below it first: then a difference of
@@ -104,10 +108,25 @@ def _scaled(x: torch.Tensor, c: float, out: torch.Tensor | None = None) -> torch
     return _scale_pow2(x, exp, out).mul_(mantissa)
 
 
+# The C kernels of these sums (``p2p/native.py``), where they can be built; the torch code here is
+# their reference and fallback (the tests run both and compare bits). False: torch code only.
+USE_NATIVE = True
+
+
+def _kernels(*xs: torch.Tensor):
+    """The kernels, if they are to be used and every tensor is a contiguous fp32 CPU vector."""
+    if not USE_NATIVE or not all(x.is_contiguous() and x.dtype == torch.float32 and x.device.type == "cpu"
+                                 for x in xs):
+        return None
+    return native.kernels()
+
+
 def max_abs(x: torch.Tensor) -> float:
     """Largest |value| (exact: a max has no rounding); 0.0 for an empty tensor."""
     if x.numel() == 0:
         return 0.0
+    if (kernels := _kernels(x)) is not None:
+        return kernels.absmax(x)
     lo, hi = torch.aminmax(x)
     return max(-lo.item(), hi.item())
 
@@ -127,6 +146,8 @@ def norm(x: torch.Tensor, largest: float | None = None) -> float:
         return 0.0
     exp = math.frexp(largest)[1]  # largest < 2^exp
     p = (53 - (n - 1).bit_length()) // 2
+    if (kernels := _kernels(x)) is not None:
+        return math.ldexp(math.sqrt(float(kernels.sum_sq_truncated(x, 2.0 ** (p - exp)))), exp - p)
     s = _scratch(n)
     f32, i32, f64 = s.f32[:n], s.i32[:n], s.f64[:n]
     _scale_pow2(x, p - exp, out=f32)
@@ -137,6 +158,8 @@ def norm(x: torch.Tensor, largest: float | None = None) -> float:
 
 def _combine(shares: Sequence[float], xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Σ shares_i x_i in member order, each product rounded before it is added; a fresh tensor."""
+    if all(c == 0.0 or c >= _MIN_NORMAL for c in shares) and (kernels := _kernels(*xs)) is not None:
+        return kernels.weighted_sum(list(xs), list(shares), torch.empty(xs[0].numel()))
     acc = _scaled(xs[0], shares[0])
     term = _scratch(acc.numel()).term[: acc.numel()]
     for c, x in zip(shares[1:], xs[1:]):

@@ -1,4 +1,5 @@
-"""The C kernels of the block codecs int8, int4 and fp4 (``nibble.c``): built once per machine, loaded with ctypes.
+"""The C kernels of the block codecs int8, int4 and fp4 and of the aggregators' sums (``nibble.c``): built once
+per machine, loaded with ctypes.
 
 ``kernels()`` gives the loaded kernels, or None where they cannot be had: no C
 compiler, a build that fails, or ``GONKA_NATIVE=0`` in the environment. The
@@ -22,6 +23,7 @@ import logging
 import os
 import platform
 import shlex
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,8 @@ NIBBLE_KINDS = {"int4": 0, "fp4": 1}
 
 
 class CodecKernels:
-    """``encode``/``decode`` of whole vectors in the int8, int4 or fp4 wire format, on raw tensor memory."""
+    """``encode``/``decode`` of whole vectors in the int8, int4 or fp4 wire format, and the sums of
+    ``p2p.aggregate``, on raw tensor memory."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -57,6 +60,11 @@ class CodecKernels:
         self._int8_decode.argtypes = [ptr, i64, i64, ptr]
         for function in (self._nibble_encode, self._nibble_decode, self._int8_encode, self._int8_decode):
             function.restype = ctypes.c_int
+        self._absmax, self._sum_sq = lib.gonka_absmax, lib.gonka_sum_sq_truncated
+        self._weighted_sum = lib.gonka_weighted_sum
+        self._absmax.argtypes, self._absmax.restype = [ptr, i64], ctypes.c_uint32
+        self._sum_sq.argtypes, self._sum_sq.restype = [ptr, i64, ctypes.c_double], i64
+        self._weighted_sum.argtypes, self._weighted_sum.restype = [ptr, ptr, i64, i64, ptr], None
 
     def encode(self, kind: str, x: torch.Tensor, block: int, out: torch.Tensor, decoded: torch.Tensor | None) -> str | None:
         """Fill ``out`` (uint8, the exact wire size) from ``x`` (and ``decoded``); an error reason or None.
@@ -72,6 +80,25 @@ class CodecKernels:
         args = (payload.data_ptr(), numel, block, out.data_ptr())
         code = self._int8_decode(*args) if kind == "int8" else self._nibble_decode(NIBBLE_KINDS[kind], *args)
         return self._reason(code)
+
+    # The aggregators' sums (p2p/aggregate.py): contiguous fp32 CPU tensors, checked by the caller.
+
+    def absmax(self, x: torch.Tensor) -> float:
+        """The largest |value| of ``x`` (finite values)."""
+        return struct.unpack("<f", struct.pack("<I", self._absmax(x.data_ptr(), x.numel())))[0]
+
+    def sum_sq_truncated(self, x: torch.Tensor, scale: float) -> int:
+        """Σ trunc(x_i · scale)², for a power of two ``scale`` that keeps every term below 2^26
+        and the sum below 2^53 (``aggregate.norm``)."""
+        return self._sum_sq(x.data_ptr(), x.numel(), scale)
+
+    def weighted_sum(self, xs: list[torch.Tensor], coefficients: list[float], out: torch.Tensor) -> torch.Tensor:
+        """``out`` = Σ c_i x_i in order, each product rounded to fp32 before it is added; the
+        coefficients are rounded to fp32 first, as torch rounds a Python scalar."""
+        m = len(xs)
+        pointers = (ctypes.c_void_p * m)(*(x.data_ptr() for x in xs))
+        self._weighted_sum(pointers, (ctypes.c_float * m)(*coefficients), m, out.numel(), out.data_ptr())
+        return out
 
     @staticmethod
     def _reason(code: int) -> str | None:

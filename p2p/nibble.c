@@ -1,4 +1,5 @@
-/* Fused kernels of the block codecs: int8, and the 4-bit int4 and fp4 (wire format: p2p/codecs.py).
+/* Fused kernels of the block codecs: int8, and the 4-bit int4 and fp4 (wire format: p2p/codecs.py),
+ * and of the sums the part owners' aggregators take (p2p/aggregate.py; at the end of the file).
  *
  * p2p/native.py builds this file with the system C compiler and calls it through
  * ctypes, which releases the GIL. The torch code in p2p/codecs.py is the
@@ -252,4 +253,51 @@ int gonka_int8_decode(const uint8_t *data, int64_t numel, int64_t block, float *
         bad |= unpack_int8(codes + start, n, s, out + start);
     }
     return bad ? BAD_CODE : OK;
+}
+
+/* ---- the aggregators' exact sums (p2p/aggregate.py) ----
+ *
+ * The torch code in p2p/aggregate.py is their reference, as for the codecs: the same IEEE fp32
+ * operations (one rounding per product and per sum), or integer sums that are exact in any order.
+ * Each pass reads its inputs once, where the torch code made four to six passes over a piece with
+ * temporaries of fp32, int32 and fp64. */
+
+/* The fp32 pattern of the largest |x[i]| (p2p.aggregate.max_abs of finite values). */
+uint32_t gonka_absmax(const float *x, int64_t n) { return absmax_bits(x, n); }
+
+/* The sum of q_i * q_i, q_i = x_i * scale truncated towards zero (p2p.aggregate.norm). scale is
+ * a power of two chosen by the caller so that every |q_i| < 2^26 and the sum stays below 2^53:
+ * x_i * scale is exact in double, and in fp32 too wherever |q_i| >= 1, so q_i is the torch
+ * code's; the sum is of integers, the same in any order. */
+MULTIVERSION
+int64_t gonka_sum_sq_truncated(const float *x, int64_t n, double scale) {
+    int64_t acc = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t q = (int32_t)((double)x[i] * scale);
+        acc += (int64_t)q * q;
+    }
+    return acc;
+}
+
+/* out[j] = c[0] x_0[j] + c[1] x_1[j] + ... + c[m-1] x_{m-1}[j], added in member order, each product
+ * rounded to fp32 before it is added (p2p.aggregate._combine; the coefficients are fp32 numbers).
+ * Worked in runs that stay in cache while every member's values are added. out must not
+ * overlap an input. */
+MULTIVERSION
+void gonka_weighted_sum(const float *const *xs, const float *c, int64_t m, int64_t n, float *out) {
+    enum { RUN = 2048 };
+    for (int64_t start = 0; start < n; start += RUN) {
+        int64_t len = n - start < RUN ? n - start : RUN;
+        float *o = out + start;
+        const float *x0 = xs[0] + start;
+        float c0 = c[0];
+        for (int64_t j = 0; j < len; j++)
+            o[j] = c0 * x0[j];
+        for (int64_t i = 1; i < m; i++) {
+            const float *xi = xs[i] + start;
+            float ci = c[i];
+            for (int64_t j = 0; j < len; j++)
+                o[j] = o[j] + ci * xi[j];
+        }
+    }
 }

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from p2p.aggregate import AGGREGATE, FLT_MAX, aggregate, centered_clip, clip, lower_median, mean, norm
+import p2p.aggregate
+from p2p import native
+from p2p.aggregate import AGGREGATE, FLT_MAX, aggregate, centered_clip, clip, lower_median, max_abs, mean, norm
 from p2p.codecs import get_codec
 from p2p.compression import SwarmAverage, average_part, part_bounds, piece_bounds
 from p2p.config import AGGREGATORS
@@ -223,3 +225,37 @@ def test_attack_kinds():
     for bad in ("fill", "scale:x", "shout:3", "fill:inf", "scale:nan"):
         with pytest.raises(ValueError):
             attack(bad)
+
+
+def _torch_only(monkeypatch, fn):
+    monkeypatch.setattr(p2p.aggregate, "USE_NATIVE", False)
+    try:
+        return fn()
+    finally:
+        monkeypatch.setattr(p2p.aggregate, "USE_NATIVE", True)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler: the torch code is all there is")
+def test_the_c_kernels_give_the_torch_codes_bits(monkeypatch):
+    """max_abs, norm and every aggregator through the C kernels (p2p/nibble.c) and through the torch
+    code: the same bits, on values of every magnitude fp32 has, subnormals and signed zeros included."""
+    g = torch.Generator().manual_seed(11)
+    tiny = torch.tensor([1e-45, -1e-45, 3e-39, -1.2e-38, 0.0, -0.0, 5e-40])
+    signs = torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0)
+    wide = signs * torch.exp2(torch.randint(-149, 128, (N,), generator=g).float()) * (1 + torch.rand(N, generator=g))
+    wide = wide.clamp(-FLT_MAX, FLT_MAX)
+    vectors = [*honest(3), wide, tiny.repeat(N // 7 + 1)[:N], torch.full((N,), FLT_MAX) * signs,
+               torch.randn(1 << 18, generator=g), torch.zeros(N), -torch.zeros(N), torch.tensor([-2.5]),
+               torch.empty(0)]
+    for x in vectors:
+        native_norm, native_max = norm(x), max_abs(x)
+        assert _torch_only(monkeypatch, lambda: (norm(x), max_abs(x))) == (native_norm, native_max), x[:4]
+    groups = [honest(5), honest(4) + [wide], honest(4) + [torch.full((N,), 3.4e38) * signs],
+              [wide, -wide, wide * 0.5, tiny.repeat(N // 7 + 1)[:N], torch.zeros(N)]]
+    weight_sets = [WEIGHTS, [1.0, 1.0, 1.0, 1.0, 1e-30], [1.0, 1.0, 1.0, 1.0, 1e-39], [0.0, 1.0, 2.0, 3.0, 4.0]]
+    for xs in groups:
+        for weights in weight_sets:
+            for name in AGGREGATE:
+                got = aggregate(name, weights, xs)
+                want = _torch_only(monkeypatch, lambda: aggregate(name, weights, xs))
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, weights)
