@@ -21,6 +21,9 @@ robust aggregator's clipping depends on where a piece starts and ends).
 
 from __future__ import annotations
 
+import threading
+from typing import Sequence
+
 import torch
 
 from p2p.aggregate import aggregate
@@ -138,6 +141,56 @@ def unflatten(flat: torch.Tensor, like: list[torch.Tensor], *, copy: bool = True
         out.append(view.clone() if copy else view)
         offset += t.numel()
     return out
+
+
+class CommittedAverage(Sequence[torch.Tensor]):
+    """A committed round's average, shaped like the caller's tensors, decoded as it is read.
+
+    It holds the averaged pieces as their owners encoded them (each checked when it was placed,
+    so none fails to decode) and decodes them into ``out``, in vector order, only as far as the
+    tensor read needs. The outer step reads tensor after tensor, so each piece is decoded just
+    before it is used, on the outer step's thread, while it is still in cache: the round returns
+    at its commit instead of after a pass over the whole vector (on the round's path), and the
+    step reads values that were just written. ``views`` are the tensors before they hold the
+    average (shapes and types without decoding anything); ``decoded()`` decodes the rest."""
+
+    def __init__(self, codec: Codec, pieces: list[tuple[int, int]], encoded: list, out: torch.Tensor,
+                 like: list[torch.Tensor]) -> None:
+        assert [s for s, _ in pieces] == [0, *(e for _, e in pieces[:-1])][: len(pieces)], "pieces in vector order"
+        assert (pieces[-1][1] if pieces else 0) == out.numel()
+        assert len(encoded) == len(pieces) and all(d is not None for d in encoded)
+        self.views = unflatten(out, like, copy=False)
+        self._ends, at = [], 0
+        for t in like:
+            at += t.numel()
+            self._ends.append(at)
+        assert at == out.numel()
+        self._codec, self._pieces, self._encoded, self._out = codec, pieces, encoded, out
+        self._next = self._upto = 0  # pieces decoded; values of ``out`` they cover
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        view = self.views[i]  # IndexError ends an iteration
+        self._decode_through(self._ends[i % len(self.views)])
+        return view
+
+    def decoded(self) -> list[torch.Tensor]:
+        """Every tensor, decoded."""
+        self._decode_through(self._out.numel())
+        return self.views
+
+    def _decode_through(self, end: int) -> None:
+        with self._lock:
+            while self._upto < end:
+                start, stop = self._pieces[self._next]
+                self._codec.decode(self._encoded[self._next], stop - start, self._out[start:stop])
+                self._encoded[self._next] = None  # its bytes are no longer held
+                self._next, self._upto = self._next + 1, stop
 
 
 class CompressingMember:

@@ -41,7 +41,7 @@ import torch
 
 from p2p.hostile import HONEST, Behaviour
 from p2p.codecs import Codec, CodecError, all_finite
-from p2p.compression import average_part, part_bounds, piece_bounds
+from p2p.compression import CommittedAverage, average_part, part_bounds, piece_bounds
 
 # Streams ("lanes") a member opens to each other member for one part: lane l carries the
 # pieces k with k % lanes == l, both ways. Measured on the 4-host 100 Mbit/s testbed, fp32,
@@ -180,7 +180,7 @@ class Group:
         # piece_digest of every averaged piece of every part, filled as they are placed.
         self._placed: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
         # The averaged pieces as their owners encoded them (checked), until the round commits:
-        # only then are they decoded, over ``flat`` (``materialize``). An encoded average is what
+        # only then are they decoded, over ``flat`` (``committed_average``). An encoded average is what
         # a member holds of the round's result meanwhile (1 byte per value for int8, 0.5 for a
         # 4-bit codec) instead of a second fp32 vector; ``flat`` must stay whole until then,
         # for audits and for a retry if the attempt fails.
@@ -345,18 +345,17 @@ class Group:
         self._placed[index][k] = piece_digest(data, declared)
         self.declared[index][k] = declared or None
 
-    def materialize(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The average, decoded into ``out`` (returned), by default over ``flat``: only once the
-        round committed, when nobody needs our contribution any more (every member voted after
-        its audit). Every piece was checked when it was placed, so none fails here."""
-        assert all(d is not None for part in self._placed for d in part), "materialize before every piece was placed"
+    def committed_average(self, like: list[torch.Tensor], out: torch.Tensor | None = None) -> CommittedAverage:
+        """The average, shaped like ``like``, decoded into ``out`` as it is read (``CommittedAverage``),
+        by default over ``flat``: only once the round committed, when nobody needs our contribution
+        any more (every member voted after its audit). The encoded pieces move to it."""
+        assert all(d is not None for part in self._placed for d in part), "the average before every piece was placed"
         out = self.flat if out is None else out
         assert out.shape == self.flat.shape and out.dtype == torch.float32 and out.is_contiguous()
-        for index, part in enumerate(self.pieces):
-            for k, (start, end) in enumerate(part):
-                self.codec.decode(self._averaged[index][k], end - start, out[start:end])  # checked when placed
-                self._averaged[index][k] = None
-        return out
+        pieces = [bounds for part in self.pieces for bounds in part]
+        encoded = [d for part in self._averaged for d in part]
+        self._averaged = [[None] * len(p) for p in self.pieces]
+        return CommittedAverage(self.codec, pieces, encoded, out, like)
 
     # ---- audit: a sampled piece of another member's part, recomputed ----------------
 

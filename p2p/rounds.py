@@ -34,7 +34,7 @@ import torch
 from p2p import faults, hostile
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.commits import CommitLog
-from p2p.compression import base_vector, flatten, unflatten
+from p2p.compression import CommittedAverage, base_vector, flatten
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
@@ -168,13 +168,17 @@ class RoundProtocol:
         return self.plane.ensure_feedback(numel)
 
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int, *,
-                      state: str = "", donate: bool = False) -> list[torch.Tensor] | None:
+                      state: str = "", donate: bool = False) -> CommittedAverage | None:
         """Average with the members of ``round`` that hold the same state (``state``, its
         params_hash: two lineages of one round number never mix in one group).
 
         ``donate``: the tensors are views of one vector (``compression.base_vector``) that the
         round may use as its buffer, error feedback's residual added in place (once: an attempt
-        again with the same tensors sends what the first one did), instead of a copy of it."""
+        again with the same tensors sends what the first one did), instead of a copy of it.
+
+        The average comes back shaped like ``tensors`` and decoded as it is read
+        (``CommittedAverage``: over the donated vector, else into a fresh one); None if the
+        attempt did not commit (``last`` says why)."""
         numel = sum(t.numel() for t in tensors)
         feedback = self.ensure_feedback(numel)
         residual = feedback.residual if feedback is not None else None
@@ -243,7 +247,7 @@ class RoundProtocol:
         # plane's buffer, which the next round fills again: the result is the caller's own.
         out = None if donated else torch.empty(numel, dtype=torch.float32)
         self._donated = None
-        return unflatten(await off_loop(group.materialize, out), tensors, copy=False)
+        return group.committed_average(tensors, out)
 
     # ---- gather: who is in this round ----------------------------------------------
 

@@ -14,6 +14,8 @@ whatever part of a model they are.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from trainer.config import OuterConfig
@@ -61,11 +63,14 @@ class OuterOptimizer:
                 step = torch.mul(m, cfg.lr)
         return theta.sub_(step) if in_place else torch.sub(theta, step)
 
-    def step(self, avg_delta: list[torch.Tensor]) -> None:
-        """m <- mu m + delta; theta <- theta - lr (delta + mu m) (Nesterov) or theta - lr m."""
-        self._check(avg_delta, "outer step")
-        for i, d in enumerate(avg_delta):
-            self._update(i, d, in_place=True)
+    def step(self, avg_delta: Sequence[torch.Tensor]) -> None:
+        """m <- mu m + delta; theta <- theta - lr (delta + mu m) (Nesterov) or theta - lr m.
+
+        ``avg_delta`` may compute each tensor as it is read (a round's ``CommittedAverage``):
+        its ``views`` are checked first, and each tensor is read just before its update."""
+        self._check(getattr(avg_delta, "views", avg_delta), "outer step")
+        for i in range(len(avg_delta)):
+            self._update(i, avg_delta[i], in_place=True)
         self.steps += 1
 
     def preview(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -23,7 +23,8 @@ the timed syncs are reported:
 ``seconds`` is end to end: from the moment the last peer calls the averaging
 function to the moment the last peer has the result, so it includes gonka's
 group formation and vote and hivemind's matchmaking (``min_matchmaking_time``
-2 s). ``allreduce_s`` is the exchange alone: gonka's
+2 s), and gonka's decode of the committed average, which a node's outer step
+does as it reads it; ``commit_s`` is gonka's time to the commit, without it. ``allreduce_s`` is the exchange alone: gonka's
 ``RoundOutcome.allreduce_seconds``, hivemind's time from its group being
 found to the result, gloo's all_reduce (slowest peer in each case).
 ``bound_seconds`` is the bandwidth floor of any all-reduce,
@@ -64,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
 COLUMNS = ["system", "codec", "peers", "link_mbit", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
-           "seconds", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
+           "seconds", "commit_s", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
 # Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
 # Float codecs round twice (contribution, then average); block codecs lose up to half a level.
 TOLERANCE = {"fp32": 1e-6, "none": 1e-6, "fp16": 2e-3, "float16": 2e-3, "bf16": 1.5e-2,
@@ -232,11 +233,13 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
 def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -> dict:
     """One table row from every peer's measurements."""
     repeats = len(peers[0]["repeats"])
-    e2e, exchange, identical, aborted = [], [], True, 0
+    e2e, to_commit, exchange, identical, aborted = [], [], [], True, 0
     for r in range(repeats):
         per_peer = [p["repeats"][r] for p in peers]
         e2e.append(max(x["t_exit"] for x in per_peer) - max(x["t_enter"] for x in per_peer))
         exchange.append(max(x["allreduce_s"] for x in per_peer))
+        if all("t_commit" in x for x in per_peer):
+            to_commit.append(max(x["t_commit"] for x in per_peer) - max(x["t_enter"] for x in per_peer))
         identical &= len({x["digest"] for x in per_peer}) == 1
         aborted += max(len(x.get("aborted", [])) for x in per_peer)
     sent = [x["sent_bytes"] for p in peers for x in p["repeats"]]
@@ -257,6 +260,7 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         "wire_bytes_per_peer": None if None in sent else round(statistics.mean(sent)),
         "nic_tx_bytes_per_peer": round(statistics.mean(nic)),
         "seconds": seconds,
+        "commit_s": statistics.median(to_commit) if len(to_commit) == repeats else None,
         "allreduce_s": statistics.median(exchange),
         "bound_seconds": bound,
         "ratio_to_bound": seconds / bound,

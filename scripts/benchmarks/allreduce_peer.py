@@ -183,10 +183,11 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
                       f"{last.allreduce_seconds:.1f}s", file=sys.stderr, flush=True)
                 if last.status != "aborted" or len(aborted) > MAX_RETRIES:
                     raise RuntimeError(f"round {r} did not commit: {last}")
+            t_commit = time.time()
+            result = out.decoded()[0]  # the average is decoded as it is read: a node's outer step reads it
             t_exit = time.time()
-            result = out[0]
             sent = (metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0) - sent0
-            repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": rounds.last.allreduce_seconds,
+            repeats.append({"t_enter": t_enter, "t_commit": t_commit, "t_exit": t_exit, "allreduce_s": rounds.last.allreduce_seconds,
                             "gather_s": rounds.last.gather_seconds, "members": len(rounds.last.members),
                             "sent_bytes": int(sent), "nic_tx_bytes": nic_tx_bytes() - nic0,
                             "cpu_s": cpu_seconds() - cpu0, "p2pd_cpu_s": cpu_seconds(swarm.p2pd_pid) - p2pd0,
@@ -247,7 +248,7 @@ def run_hivemind(args, x: torch.Tensor, deadline: float) -> dict:
                 raise RuntimeError(f"hivemind step {r} failed")
             with averager.get_tensors() as tensors:
                 result = tensors[0].clone()
-            repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": t_exit - t_grouped,
+            repeats.append({"t_enter": t_enter, "t_commit": t_commit, "t_exit": t_exit, "allreduce_s": t_exit - t_grouped,
                             "members": len(info), "sent_bytes": None, "nic_tx_bytes": nic_tx_bytes() - nic0,
                             "digest": digest(result)})
         barrier(workdir, "done", args.index, args.peers, deadline)
@@ -280,7 +281,7 @@ def run_gloo(args, x: torch.Tensor, deadline: float) -> dict:
             t.div_(args.peers)
             t_exit = time.time()
             result = t
-            repeats.append({"t_enter": t_enter, "t_exit": t_exit, "allreduce_s": t_exit - t_enter,
+            repeats.append({"t_enter": t_enter, "t_commit": t_commit, "t_exit": t_exit, "allreduce_s": t_exit - t_enter,
                             "members": args.peers, "sent_bytes": None, "nic_tx_bytes": nic_tx_bytes() - nic0,
                             "digest": digest(result)})
         dist.barrier()

@@ -60,6 +60,16 @@ def test_summary_takes_last_in_to_last_out_and_the_median():
     assert row["bound_seconds"] == pytest.approx(1.5 * 4000 / 12.5e6)
     assert row["ratio_to_bound"] == pytest.approx(1.75 / row["bound_seconds"])
     assert row["wire_bytes_per_peer"] == 6000 and row["identical"] and row["within_tol"]
+    assert row["commit_s"] is None  # peers that did not say when their round committed
+
+
+def test_summary_reports_the_time_to_commit_apart_from_the_decode():
+    peers = [fake_peer([0.0, 10.0], [1.0, 12.0], "d"), fake_peer([0.5, 10.0], [2.0, 11.0], "d")]
+    for peer, commits in zip(peers, ([0.8, 11.5], [1.7, 10.9])):
+        for repeat, t in zip(peer["repeats"], commits):
+            repeat["t_commit"] = t
+    row = allreduce.summarize("gonka-node", "fp32", peers, namespace(), 100_000_000)
+    assert row["commit_s"] == pytest.approx((1.2 + 1.5) / 2) and row["seconds"] == 1.75
 
 
 def test_summary_reports_cpu_seconds_when_peers_measured_them():

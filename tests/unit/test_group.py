@@ -125,7 +125,7 @@ def test_the_vote_is_the_hash_of_every_averaged_piece_in_order(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "fp4"])
-def test_the_average_is_kept_encoded_until_commit_then_decoded_over_our_contribution(name, monkeypatch):
+def test_the_average_is_kept_encoded_until_commit_then_decoded_over_our_contribution_as_it_is_read(name, monkeypatch):
     monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
     codec = get_codec(name)
     flat, average = torch.randn(3001), torch.randn(3001)
@@ -138,9 +138,17 @@ def test_the_average_is_kept_encoded_until_commit_then_decoded_over_our_contribu
     assert torch.equal(flat, original)
     stored = sum(len(d) for part in group._averaged for d in part)
     assert stored == sum(group.wire_bytes(j) for j in range(3))
-    assert group.materialize() is flat
+    like = [torch.empty(10, 30), torch.empty(0), torch.empty(1500), torch.empty(1201)]
+    avg = group.committed_average(like)
     expected = torch.cat([codec.decode(codec.encode(average[s:e]), e - s) for part in group.pieces for s, e in part])
-    assert torch.equal(flat, expected)
+    # Read tensor by tensor (as the outer step does), each decoded over ``flat`` only as far as it needs.
+    assert [tuple(v.shape) for v in avg.views] == [(10, 30), (0,), (1500,), (1201,)] and torch.equal(flat, original)
+    first = avg[0]
+    assert first.data_ptr() == flat.data_ptr() and torch.equal(first.reshape(-1), expected[:300])
+    assert torch.equal(flat[512:], original[512:])  # the pieces past the first tensor's end are still encoded
+    assert [tuple(t.shape) for t in avg] == [(10, 30), (0,), (1500,), (1201,)]
+    assert torch.equal(flat, expected) and all(d is None for d in avg._encoded)
+    assert all(torch.equal(t, v) for t, v in zip(avg.decoded(), avg.views))
 
 
 @pytest.mark.parametrize("name, bad", [
