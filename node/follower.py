@@ -28,6 +28,7 @@ from p2p.wire import WireError, close_writer, read_frame, write_frame
 log = logging.getLogger("gonka.node")
 
 CONNECT_SECONDS = 120.0  # rank 0 imports, starts p2pd and its swarm first
+END_WAIT_SECONDS = 30.0  # for a cancelled attempt's task to end (its network waits are cancelled at once)
 
 
 def run_follower(config: Config) -> int:
@@ -219,7 +220,7 @@ class RankFollower:
         # added in place (once a round: every attempt of it reduces this vector).
         self.flat = base_vector(self.delta)
         if feedback is not None:
-            await self.compute(self.flat.add_, feedback.residual)
+            await self.compute(self.plane.fold, self.flat)  # the residual's vector from now on
         return {}
 
     async def _op_reduce(self, h: dict) -> dict:
@@ -248,12 +249,17 @@ class RankFollower:
         task = self.tasks.pop(gid, None)
         if task is not None:
             task.cancel()
+            await asyncio.wait({task}, timeout=END_WAIT_SECONDS)  # its tensor work queued before ours
         if group is None:
             return {}
         self.plane.leave(group)
         if h.get("commit"):
             self.plane.committed(group)
             self.averaged = group.committed_average(self.delta)  # decoded by the outer step
+        elif group.in_place:
+            from p2p.exchange import off_loop
+
+            await off_loop(group.restore)  # our shard as it was, for the next attempt
         return {}
 
     async def _op_apply_outer(self, h: dict) -> dict:

@@ -437,6 +437,24 @@ class ErrorFeedback:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
         self.residual = torch.zeros(numel, dtype=torch.float32)
+        # True while ``residual`` holds a round's compensated contribution (``fold``) rather than
+        # a residual: from the fold until that round commits (``settle``).
+        self.holding = False
+
+    def fold(self, x: torch.Tensor) -> None:
+        """Add the residual into ``x`` (a round's own vector, consumed), which becomes the
+        residual's storage: the round writes the next residual over it in place, and the old
+        vector's memory is given back. ``holding`` until the round commits."""
+        if x is self.residual:
+            raise ValueError("this vector is error feedback's residual already: a round needs a vector of its own")
+        if x.shape != self.residual.shape or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"error feedback holds {self.residual.numel()} fp32 values, got {x.dtype} {tuple(x.shape)}")
+        x.add_(self.residual)
+        self.residual, self.holding = x, True
+
+    def settle(self) -> None:
+        """The round that holds the residual's vector committed: it holds the next residual."""
+        self.holding = False
 
     def compensate(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` plus the residual left by earlier rounds (a new tensor)."""
@@ -468,8 +486,10 @@ class ErrorFeedback:
     def reset(self) -> None:
         self.residual.zero_()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"residual": self.residual.clone()}
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """None while a round holds the vector (``holding``: a pseudo-gradient is in it, not only
+        what a codec dropped): a checkpoint then keeps no residual, and feedback starts over."""
+        return None if self.holding else {"residual": self.residual.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         residual = state.get("residual") if isinstance(state, dict) else None
@@ -480,3 +500,4 @@ class ErrorFeedback:
         if not torch.isfinite(residual).all():
             raise ValueError("error feedback residual holds non-finite values")
         self.residual = residual.detach().to(device="cpu", dtype=torch.float32).clone()
+        self.holding = False

@@ -21,6 +21,7 @@ robust aggregator's clipping depends on where a piece starts and ends).
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import Sequence
 
@@ -147,26 +148,32 @@ class CommittedAverage(Sequence[torch.Tensor]):
     """A committed round's average, shaped like the caller's tensors, decoded as it is read.
 
     It holds the averaged pieces as their owners encoded them (each checked when it was placed,
-    so none fails to decode) and decodes them into ``out``, in vector order, only as far as the
-    tensor read needs. The outer step reads tensor after tensor, so each piece is decoded just
-    before it is used, on the outer step's thread, while it is still in cache: the round returns
-    at its commit instead of after a pass over the whole vector (on the round's path), and the
-    step reads values that were just written. ``views`` are the tensors before they hold the
-    average (shapes and types without decoding anything); ``decoded()`` decodes the rest."""
+    so none fails to decode) and decodes them, in vector order, only as far as the tensor read
+    needs. The outer step reads tensor after tensor, so each piece is decoded just before it is
+    used, on the outer step's thread, while it is still in cache: the round returns at its
+    commit instead of after a pass over the whole vector (on the round's path).
 
-    def __init__(self, codec: Codec, pieces: list[tuple[int, int]], encoded: list, out: torch.Tensor,
-                 like: list[torch.Tensor]) -> None:
+    With ``out`` (a vector nobody needs any more: the donated pseudo-gradient) the tensors are
+    views of it, filled as they are read. Without (the round's vector holds the next error-feedback
+    residual then, ``Group.in_place``) each read decodes into a tensor of its own, so no fp32
+    vector of the whole average ever exists: the outer step holds one tensor of it at a time.
+    ``views`` give the shapes without decoding anything; ``decoded()`` decodes every tensor."""
+
+    def __init__(self, codec: Codec, pieces: list[tuple[int, int]], encoded: list, like: list[torch.Tensor],
+                 out: torch.Tensor | None = None) -> None:
+        numel = sum(t.numel() for t in like)
         assert [s for s, _ in pieces] == [0, *(e for _, e in pieces[:-1])][: len(pieces)], "pieces in vector order"
-        assert (pieces[-1][1] if pieces else 0) == out.numel()
+        assert (pieces[-1][1] if pieces else 0) == numel and (out is None or out.numel() == numel)
         assert len(encoded) == len(pieces) and all(d is not None for d in encoded)
-        self.views = unflatten(out, like, copy=False)
-        self._ends, at = [], 0
+        self._out = out
+        self.views = unflatten(out if out is not None else torch.empty(numel, device="meta"), like, copy=False)
+        self._bounds, at = [], 0  # each tensor's [start, end) in the vector
         for t in like:
+            self._bounds.append((at, at + t.numel()))
             at += t.numel()
-            self._ends.append(at)
-        assert at == out.numel()
-        self._codec, self._pieces, self._encoded, self._out = codec, pieces, encoded, out
-        self._next = self._upto = 0  # pieces decoded; values of ``out`` they cover
+        self._codec, self._pieces, self._encoded = codec, pieces, encoded
+        self._next = self._upto = 0  # into ``out``: pieces decoded, values they cover
+        self._cached: tuple[int, torch.Tensor] | None = None  # without ``out``: the last piece decoded
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -176,21 +183,39 @@ class CommittedAverage(Sequence[torch.Tensor]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         view = self.views[i]  # IndexError ends an iteration
-        self._decode_through(self._ends[i % len(self.views)])
-        return view
+        start, end = self._bounds[i % len(self.views)]
+        with self._lock:
+            if self._out is not None:
+                self._decode_through(end)
+                return view
+            return self._decode_range(start, end).view_as(view)
 
     def decoded(self) -> list[torch.Tensor]:
-        """Every tensor, decoded."""
-        self._decode_through(self._out.numel())
-        return self.views
+        """Every tensor, decoded (without ``out``, into tensors of their own)."""
+        return [self[i] for i in range(len(self))]
 
     def _decode_through(self, end: int) -> None:
-        with self._lock:
-            while self._upto < end:
-                start, stop = self._pieces[self._next]
-                self._codec.decode(self._encoded[self._next], stop - start, self._out[start:stop])
-                self._encoded[self._next] = None  # its bytes are no longer held
-                self._next, self._upto = self._next + 1, stop
+        while self._upto < end:
+            start, stop = self._pieces[self._next]
+            self._codec.decode(self._encoded[self._next], stop - start, self._out[start:stop])
+            self._encoded[self._next] = None  # its bytes are no longer held
+            self._next, self._upto = self._next + 1, stop
+
+    def _decode_range(self, start: int, end: int) -> torch.Tensor:
+        """Values [start, end) of the average in a new tensor, from the pieces that cover them."""
+        values = torch.empty(end - start, dtype=torch.float32)
+        k = bisect.bisect_right(self._pieces, (start, float("inf"))) - 1 if end > start else len(self._pieces)
+        while k < len(self._pieces) and self._pieces[k][0] < end:
+            p_start, p_end = self._pieces[k]
+            if start <= p_start and p_end <= end:  # a whole piece: straight into place
+                self._codec.decode(self._encoded[k], p_end - p_start, values[p_start - start : p_end - start])
+            else:  # a piece shared with the next tensor (or the last): decoded once for both
+                if self._cached is None or self._cached[0] != k:
+                    self._cached = (k, self._codec.decode(self._encoded[k], p_end - p_start))
+                lo, hi = max(start, p_start), min(end, p_end)
+                values[lo - start : hi - start] = self._cached[1][lo - p_start : hi - p_start]
+            k += 1
+        return values
 
 
 class CompressingMember:

@@ -35,6 +35,7 @@ import math
 import os
 import statistics
 import struct
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,17 @@ def input_hash(payload: bytes | bytearray | memoryview) -> bytes:
     return hashlib.sha256(payload).digest()[:16]
 
 
+_local = threading.local()
+
+
+def _decode_scratch(n: int) -> torch.Tensor:
+    """A vector of ``n`` values for this thread's decodes that are used at once (reused)."""
+    buf = getattr(_local, "decoded", None)
+    if buf is None or buf.numel() < n:
+        buf = _local.decoded = torch.empty(max(n, PIECE_ELEMS), dtype=torch.float32)
+    return buf[:n]
+
+
 def capped_weights(weights: list[float], cap: float) -> list[float]:
     """Members' weights as the average counts them: at most ``cap`` (what a round allows), or,
     with ``cap`` 0, at most RELATIVE_WEIGHT_CAP times their median. One member cannot buy
@@ -160,9 +172,14 @@ class Group:
         # What the receivers decode of our contribution to our own part, filled as its pieces are
         # encoded: we average our piece as everyone else would decode it.
         own_start, own_end = self.bounds[self.index]
+        # In place, each piece's payload as we encoded it, until the round ends (``encode_piece``).
+        self._payloads: list[list[bytes | None]] | None = None
         if self.codec.exact:
             self.sent, self._sent_base = self.flat, 0
             assert self.residual is None, "an exact codec drops nothing to feed back"
+        elif self.in_place:
+            self.sent, self._sent_base = None, own_start
+            self._payloads = [[None] * len(p) for p in self.pieces]
         else:
             if self.sent is None:
                 self.sent = torch.empty(own_end - own_start, dtype=torch.float32)
@@ -193,6 +210,16 @@ class Group:
         self._reduced_count = 0
         self._changed = asyncio.Event()
         self.add_weight(self.index, self.weight)
+
+    @property
+    def in_place(self) -> bool:
+        """Error feedback writes the next residual over ``flat`` itself: ``flat`` is the feedback's
+        vector, holding our compensated contribution (``ShardPlane.fold``). Each piece's payload
+        is kept as it is encoded (1 byte per value for int8): what an auditor asks for, what our
+        own part's average takes of us, and what ``restore`` adds back if the attempt fails. No
+        vector of the pseudo-gradient, of what our part's receivers decode, nor of the average
+        exists beside it."""
+        return self.residual is not None and self.residual is self.flat
 
     @property
     def claimed_weight(self) -> float:
@@ -251,6 +278,8 @@ class Group:
         of our own part, and what error feedback keeps of every part."""
         start, end = self.pieces[index][k]
         values = self.flat[start:end]
+        if self.in_place:
+            return self._encode_in_place(index, k, values)
         if index == self.index and not self.codec.exact:
             decoded = self.sent_values(start, end)
         else:  # decoded straight into the residual, then turned into it while still in cache
@@ -265,6 +294,40 @@ class Group:
             self._input_hashes[k][self.index] = input_hash(payload)
         return payload
 
+    def _encode_in_place(self, index: int, k: int, values: torch.Tensor) -> bytes:
+        decoded = _decode_scratch(values.numel())
+        try:
+            payload = self.codec.encode(values, decoded)
+        except CodecError as e:
+            raise RoundFailed(e.reason) from None
+        # x - d is exact wherever d is within a factor of two of x (Sterbenz), as a code's value is
+        # of the value it encodes (or is 0): ``restore`` then gives back x's very bits. (Not for a
+        # value past a codec's range, fp16's 65504: restoring it may be off by one rounding.)
+        torch.sub(values, decoded, out=values)
+        self._payloads[index][k] = payload
+        if index == self.index:
+            self._input_hashes[k][self.index] = input_hash(payload)
+        return payload
+
+    def own_input(self, k: int) -> torch.Tensor:
+        """What every receiver decodes of our contribution to piece ``k`` of our own part (encoded
+        already): our input to its average."""
+        start, end = self.pieces[self.index][k]
+        if self.in_place:
+            return self.codec.decode(self._payloads[self.index][k], end - start)
+        return self.sent_values(start, end)
+
+    def restore(self) -> None:
+        """The attempt failed: add back to ``flat`` what each piece we encoded sent (in place), so
+        that it holds our compensated contribution again for the next attempt."""
+        if self._payloads is None:
+            return
+        for index, part in enumerate(self.pieces):
+            for k, (start, end) in enumerate(part):
+                payload, self._payloads[index][k] = self._payloads[index][k], None
+                if payload is not None:
+                    self.flat[start:end].add_(self.codec.decode(payload, end - start, _decode_scratch(end - start)))
+
     def sent_values(self, start: int, end: int) -> torch.Tensor:
         """What the receivers decode of our contribution to [start, end) of our own part."""
         return self.sent[start - self._sent_base : end - self._sent_base]
@@ -272,6 +335,8 @@ class Group:
     def contribution(self, index: int, k: int) -> bytes:
         """Our encoded piece ``k`` of part ``index`` again, for an auditor: the codec is a pure
         function of the values, so these are the bytes the owner got (nothing else is written)."""
+        if self._payloads is not None and (payload := self._payloads[index][k]) is not None:
+            return payload  # in place: ``flat`` holds the next residual there now
         start, end = self.pieces[index][k]
         return self.codec.encode(self.flat[start:end])
 
@@ -346,16 +411,19 @@ class Group:
         self.declared[index][k] = declared or None
 
     def committed_average(self, like: list[torch.Tensor], out: torch.Tensor | None = None) -> CommittedAverage:
-        """The average, shaped like ``like``, decoded into ``out`` as it is read (``CommittedAverage``),
-        by default over ``flat``: only once the round committed, when nobody needs our contribution
-        any more (every member voted after its audit). The encoded pieces move to it."""
+        """The average, shaped like ``like``, decoded as it is read (``CommittedAverage``): into
+        ``out``, by default over ``flat``, only once the round committed, when nobody needs our
+        contribution any more (every member voted after its audit); in place (``flat`` holds the
+        next residual then), into tensors of its own. The encoded pieces move to it."""
         assert all(d is not None for part in self._placed for d in part), "the average before every piece was placed"
-        out = self.flat if out is None else out
-        assert out.shape == self.flat.shape and out.dtype == torch.float32 and out.is_contiguous()
+        if out is None and not self.in_place:
+            out = self.flat
+        assert out is None or (out.shape == self.flat.shape and out.dtype == torch.float32 and out.is_contiguous())
         pieces = [bounds for part in self.pieces for bounds in part]
         encoded = [d for part in self._averaged for d in part]
         self._averaged = [[None] * len(p) for p in self.pieces]
-        return CommittedAverage(self.codec, pieces, encoded, out, like)
+        self._payloads = None  # the round committed: what we sent is needed no more
+        return CommittedAverage(self.codec, pieces, encoded, like, out)
 
     # ---- audit: a sampled piece of another member's part, recomputed ----------------
 

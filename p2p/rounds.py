@@ -173,12 +173,15 @@ class RoundProtocol:
         params_hash: two lineages of one round number never mix in one group).
 
         ``donate``: the tensors are views of one vector (``compression.base_vector``) that the
-        round may use as its buffer, error feedback's residual added in place (once: an attempt
-        again with the same tensors sends what the first one did), instead of a copy of it.
+        round takes as its buffer instead of a copy of it: with error feedback the residual is
+        folded into it (once: an attempt again with the same tensors sends what the first one
+        did) and it becomes the residual's vector, which the round overwrites with the next
+        residual (``ShardPlane.fold``); give a new vector to the next round.
 
         The average comes back shaped like ``tensors`` and decoded as it is read
-        (``CommittedAverage``: over the donated vector, else into a fresh one); None if the
-        attempt did not commit (``last`` says why)."""
+        (``CommittedAverage``: over the donated vector without error feedback, into tensors of
+        their own with it, into a fresh vector if not donated); None if the attempt did not
+        commit (``last`` says why)."""
         numel = sum(t.numel() for t in tensors)
         feedback = self.ensure_feedback(numel)
         residual = feedback.residual if feedback is not None else None
@@ -194,7 +197,12 @@ class RoundProtocol:
                 # Noted first: a cancelled wait does not stop the thread from adding it.
                 self._donated = weakref.ref(flat)
                 if residual is not None:
-                    await off_loop(flat.add_, residual)
+                    # The residual's vector is ``flat`` from here on; the old one is given back.
+                    try:
+                        await off_loop(self.plane.fold, flat)
+                    except ValueError:  # the residual's own vector, given again: nothing was added
+                        self._donated = None
+                        raise
         if self.hostile.any and fresh:
             await off_loop(_hostile_input, flat, self.hostile)
         started = time.monotonic()
@@ -218,6 +226,8 @@ class RoundProtocol:
             await self._allreduce(group)
         except (RoundFailed, asyncio.CancelledError) as e:
             reason = e.reason if isinstance(e, RoundFailed) else "stopping"
+            if group.in_place:  # after the attempt's tensor work (one worker thread, in order)
+                await asyncio.shield(off_loop(group.restore))
             await asyncio.shield(self._broadcast_abort(group, reason))
             if self.shards is not None:
                 await asyncio.shield(self.shards.end(group, committed=False))

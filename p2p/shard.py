@@ -204,9 +204,20 @@ class ShardPlane:
             self.feedback = ErrorFeedback(numel)
         return self.feedback
 
+    def fold(self, flat: torch.Tensor) -> bool:
+        """Error feedback's residual added into ``flat`` (a round's own vector: a donated
+        pseudo-gradient, a rank's shard), which becomes the residual's storage; its groups then
+        work in place (``Group.in_place``). False (nothing done) without feedback. Tensor work."""
+        if self.feedback is None:
+            return False
+        self.feedback.fold(flat)
+        return True
+
     def committed(self, group: Group) -> None:
         """The group's round committed: its residual is the one the next round adds back."""
-        if self.feedback is not None and group.residual is not self.feedback.residual:
+        if self.feedback is not None and group.in_place:
+            self.feedback.settle()
+        elif self.feedback is not None and group.residual is not self.feedback.residual:
             # Only a committed round consumes the residual; the old one's buffer is next.
             self._buffers["residual"] = self.feedback.adopt(group.residual)
 
@@ -214,20 +225,21 @@ class ShardPlane:
 
     def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float,
                   residual_added: bool = True) -> Group:
-        """A group reducing ``flat``. ``residual_added``: error feedback's residual was added into
-        ``flat`` once, for every attempt of the round (a donated pseudo-gradient, a rank's shard):
-        the old residual is spent, so the group writes the next one over it, in place — no
-        second full-size vector. An attempt that fails leaves it part old residual, part
-        what this attempt did not send: both are what a codec dropped, and the next attempt
-        rewrites all of it. Otherwise (a copy made per attempt, adding the residual each
-        time) the next residual goes to a buffer of its own, adopted on commit."""
+        """A group reducing ``flat``. ``residual_added``: error feedback's residual was folded into
+        ``flat`` once, for every attempt of the round (``fold``: a donated pseudo-gradient, a
+        rank's shard), and ``flat`` is the residual's vector now: the group works in place
+        (``Group.in_place``), writing the next residual over ``flat`` as it encodes each piece;
+        a failed attempt restores it (``Group.restore``). Otherwise (a copy made per attempt,
+        adding the residual each time) the next residual goes to a buffer of its own, adopted
+        on commit."""
         numel = flat.numel()
         start, end = part_bounds(numel, len(members))[sorted(members).index(self.me)]
-        sent = None if self.codec.exact else self.buffer("sent", end - start)  # our own part only
         residual = None
         if self.use_feedback:
             feedback = self.ensure_feedback(numel)
             residual = feedback.residual if residual_added else self.buffer("residual", numel)
+        in_place = residual is not None and residual is flat
+        sent = None if self.codec.exact or in_place else self.buffer("sent", end - start)  # our own part only
         return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
                      aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)
 

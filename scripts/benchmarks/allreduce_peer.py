@@ -168,7 +168,9 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
         repeats, result = [], None
         given = x.clone()
         for r in range(args.warmup + args.repeats):
-            x.copy_(given)  # as a node does: the round takes the vector (donated) and leaves the average in it
+            # As a node does: the round takes a vector of its own (donated), which holds the
+            # average after it, or with error feedback becomes the residual's vector.
+            x = given.clone()
             await abarrier(workdir, f"round{r}", args.index, args.peers, deadline)
             sent0 = metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0
             nic0 = nic_tx_bytes()

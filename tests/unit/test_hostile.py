@@ -492,3 +492,46 @@ async def test_an_outsider_gets_no_round_or_state_service_from_a_closed_swarm():
     finally:
         await outsider.shutdown()
         await member.close()
+
+
+async def test_an_aborted_attempt_gives_back_a_donated_vector_that_error_feedback_overwrote():
+    # int8 with error feedback, donated vectors (as a node runs): each member writes the next
+    # residual over its vector as it encodes its pieces, so the attempt the altered slice spoils
+    # must put every encoded piece back (``Group.restore``). The retry without the owner then sends
+    # what a first attempt would, and leaves exactly what the codec dropped of it.
+    peers = sorted(await start_peers(3, min_peers=3, codec="int8", **STEADY), key=lambda p: p[0].peer_id)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        rounds[1].hostile = Behaviour(alter_slice=True)
+        inputs = honest_inputs(3, 2048)
+        vectors = [x.clone() for x in inputs]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(r.average([v[:]], 1.0, 0, donate=True) for r, v in zip(rounds, vectors))), 60)
+        assert results == [None, None, None] and all(r.last.status == "aborted" for r in rounds)
+        for r, v, x in zip(rounds, vectors, inputs):
+            assert r.feedback.residual is v and r.feedback.holding
+            assert torch.equal(v.view(torch.int32), x.view(torch.int32))  # the residual was zero
+        task = asyncio.ensure_future(_keep_averaging(rounds[1], inputs[1].clone()))
+        honest = [0, 2]
+        for i in honest:
+            rounds[i].min_peers = 2
+
+        async def until_commit(r, v):
+            for _ in range(6):
+                if (result := await r.average([v[:]], 1.0, 0, donate=True)) is not None:
+                    return result
+            return None
+
+        results = await asyncio.wait_for(asyncio.gather(*(until_commit(rounds[i], vectors[i]) for i in honest)), 90)
+        assert all(res is not None for res in results), [rounds[i].last for i in honest]
+        assert torch.equal(results[0].decoded()[0], results[1].decoded()[0])
+        codec = rounds[0].codec
+        for i in honest:
+            assert len(rounds[i].last.members) == 2 and not rounds[i].feedback.holding
+            sent = torch.cat([codec.decode(codec.encode(inputs[i][s:e]), e - s) for s, e in part_bounds(2048, 2)])
+            assert torch.equal(vectors[i], inputs[i] - sent)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)

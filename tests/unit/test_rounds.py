@@ -465,7 +465,8 @@ def test_base_vector_is_found_only_for_consecutive_views_covering_it():
 
 
 async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_residual_once():
-    # The round reduces the caller's vector itself (no copy of 4 bytes per parameter); an
+    # The round reduces the caller's vector itself (no copy of 4 bytes per parameter), which with
+    # error feedback becomes the residual's vector (the next residual is written over it); an
     # attempt again with the same tensors after an abort must not add the residual twice.
     peers = await start_peers(3, min_peers=3, codec="int8")
     try:
@@ -476,13 +477,13 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
         results = await asyncio.wait_for(asyncio.gather(
             *(r.average(_views(v, shapes), 1.0, 0, donate=True) for (_, r, _), v in zip(peers, vectors))), 60)
         assert all(res is not None for res in results), [r.last for _, r, _ in peers]
-        flat = [torch.cat([t.reshape(-1) for t in res]) for res in results]
+        flat = [torch.cat([t.reshape(-1) for t in res.decoded()]) for res in results]
         assert all(torch.equal(f, flat[0]) for f in flat) and torch.allclose(flat[0], mean, atol=0.05)
-        assert all("flat" not in r.plane._buffers for _, r, _ in peers)  # no copy was made
-        # Nor a second residual: the round wrote the next one over the one it had added (spent).
-        assert all("residual" not in r.plane._buffers for _, r, _ in peers)
+        # No copy, no second residual, no vector of what our part's receivers decode: the donated
+        # vector holds the next residual now, and the old residual's vector was given back.
+        assert all(not ({"flat", "residual", "sent"} & set(r.plane._buffers)) for _, r, _ in peers)
+        assert all(r.feedback.residual is v and not r.feedback.holding for (_, r, _), v in zip(peers, vectors))
         (sa, a, _), *_ = peers
-        buffer = a.feedback.residual
         residual = a.feedback.residual.clone()
         assert residual.abs().sum() > 0
         for s, _, _ in peers:
@@ -495,34 +496,32 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
             if a._waiting is not None:  # its input is ready: it waits for a group
                 break
             await asyncio.sleep(0.05)
+        compensated = before + residual
+        assert torch.equal(mine, compensated) and a.feedback.residual is mine and a.feedback.holding
+        assert a.feedback.state_dict() is None  # a checkpoint now would keep no residual (a Δ is in it)
         alone.cancel()  # ...and ends without a group; the same tensors go again
         await asyncio.gather(alone, return_exceptions=True)
-        compensated = before + residual
         assert torch.equal(mine, compensated)
         others = [torch.randn(1217) for _ in peers[1:]]
         results = await asyncio.wait_for(asyncio.gather(
             a.average(tensors, 1.0, 1, donate=True),
             *(r.average(_views(v, shapes), 1.0, 1, donate=True) for (_, r, _), v in zip(peers[1:], others))), 60)
         assert all(res is not None for res in results), [r.last for _, r, _ in peers]
-        # The residual was added once over two attempts: the next one is what the codec dropped of that.
+        # The residual was added once over two attempts: the next one is what the codec dropped of
+        # that, written over the donated vector.
         c = get_codec("int8")
         sent = torch.cat([c.decode(c.encode(compensated[s:e].contiguous()), e - s) for s, e in part_bounds(1217, 3)])
-        assert torch.equal(a.feedback.residual, compensated - sent)
-        assert a.feedback.residual is buffer and "residual" not in a.plane._buffers
-        # The average was decoded over the donated vector once the round committed: no other result vector.
-        assert all(t.data_ptr() == v.data_ptr() for t, v in zip(results[0], tensors))
-        assert torch.equal(mine, torch.cat([t.reshape(-1) for t in results[1]]))
-        # Given again, the vector (the average now) is the next round's input: its residual is added.
-        held, residual = mine.clone(), a.feedback.residual.clone()
+        assert a.feedback.residual is mine and torch.equal(mine, compensated - sent) and not a.feedback.holding
+        assert torch.equal(a.feedback.state_dict()["residual"], mine)
+        # The average is decoded into tensors of its own as they are read: the same on every member.
+        averages = [torch.cat([t.reshape(-1) for t in res.decoded()]) for res in results]
+        assert all(torch.equal(x, averages[0]) for x in averages)
+        assert all(t.data_ptr() != mine.data_ptr() for t in results[0].decoded())
+        # Given again, the vector (error feedback's residual now) is refused: a round needs its own.
         for s, _, _ in peers:
             s.announce(state="training", round=2)
-        again = asyncio.ensure_future(a.average(tensors, 1.0, 2, donate=True))
-        for _ in range(600):
-            if a._waiting is not None:
-                break
-            await asyncio.sleep(0.05)
-        assert torch.equal(mine, held + residual)
-        again.cancel()
-        await asyncio.gather(again, return_exceptions=True)
+        with pytest.raises(ValueError, match="residual"):
+            await asyncio.wait_for(a.average(tensors, 1.0, 2, donate=True), 30)
+        assert a._donated is None and torch.equal(mine, compensated - sent)
     finally:
         await stop_peers(peers)
