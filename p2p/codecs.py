@@ -440,6 +440,7 @@ class ErrorFeedback:
         # True while ``residual`` holds a round's compensated contribution (``fold``) rather than
         # a residual: from the fold until that round commits (``settle``).
         self.holding = False
+        self.restarts = 0  # folds that found the last round's vector never settled (``fold``)
 
     def fold(self, x: torch.Tensor) -> None:
         """Add the residual into ``x`` (a round's own vector, consumed), which becomes the
@@ -449,7 +450,13 @@ class ErrorFeedback:
             raise ValueError("this vector is error feedback's residual already: a round needs a vector of its own")
         if x.shape != self.residual.shape or x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"error feedback holds {self.residual.numel()} fp32 values, got {x.dtype} {tuple(x.shape)}")
-        x.add_(self.residual)
+        if self.holding:
+            # The round that took the last vector never committed (the swarm moved past it, or it
+            # was given up): that vector holds a pseudo-gradient nobody will apply, not only what a
+            # codec dropped. Nothing is added back; what earlier rounds dropped is lost with it.
+            self.restarts += 1
+        else:
+            x.add_(self.residual)
         self.residual, self.holding = x, True
 
     def settle(self) -> None:

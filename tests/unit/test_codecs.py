@@ -467,3 +467,27 @@ def test_check_refuses_exactly_what_decode_refuses(name):
     assert outcomes == {True, False}  # both kinds were tried
     with pytest.raises(CodecError, match="bad_size"):
         codec.check(bytes(payload[:-1]), numel)
+
+
+def test_error_feedback_folds_into_a_rounds_vector_and_drops_a_round_that_never_settled():
+    ef = ErrorFeedback(5)
+    ef.residual.copy_(torch.arange(5.0))
+    first = torch.ones(5)
+    ef.fold(first)  # the residual added in; the vector is the residual's from now on
+    assert ef.residual is first and torch.equal(first, torch.arange(5.0) + 1) and ef.holding
+    assert ef.state_dict() is None  # a pseudo-gradient is in it: a checkpoint keeps no residual
+    with pytest.raises(ValueError, match="residual"):
+        ef.fold(first)  # the same vector again
+    with pytest.raises(ValueError):
+        ef.fold(torch.ones(4))
+    first.copy_(torch.full((5,), 0.25))  # as the round writes the next residual over it
+    ef.settle()
+    assert not ef.holding and torch.equal(ef.state_dict()["residual"], first)
+    second = torch.ones(5)
+    ef.fold(second)
+    assert torch.equal(second, torch.full((5,), 1.25))
+    # That round never commits (the swarm moved past it): its vector holds a pseudo-gradient, which
+    # the next round must not send again.
+    third = torch.full((5,), 2.0)
+    ef.fold(third)
+    assert torch.equal(third, torch.full((5,), 2.0)) and ef.residual is third and ef.restarts == 1
