@@ -213,7 +213,8 @@ class RankFollower:
     async def _op_pseudo_gradient(self, h: dict) -> dict:
         from p2p.compression import base_vector
 
-        self.delta = await self.compute(self.worker.pseudo_gradient)
+        # Into error feedback's vector where it is free (no vector of Δ alone), as rank 0 does.
+        self.delta = await self.compute(self.worker.pseudo_gradient, self.plane.delta_target())
         numel = sum(t.numel() for t in self.delta)
         feedback = self.plane.ensure_feedback(numel)
         # The pseudo-gradient is one vector already: our groups reduce it as it is, the residual

@@ -104,14 +104,16 @@ class TrainingLoop:
         await self.check_consistency()
         if self.round_step == 0:  # a re-sync discarded this round's work
             return
-        delta = await self.compute(self.worker.pseudo_gradient)
+        # Into error feedback's vector where it is free: no vector of Δ alone (the round folds it).
+        into = self.rounds.delta_target()
+        delta = await self.compute(self.worker.pseudo_gradient, into)
         # Weight = tokens this peer trained on in the round (DiLoCo's token-weighted average).
         weight = float(self.round_step * self.tokens_per_step)
         if not self.overlapped:
             if await self.average_until_settled(delta, weight) == "behind":
                 await self.resync("behind")
             return
-        await self.compute(self.worker.start_overlapped, delta)
+        await self.compute(self.worker.start_overlapped, delta if into is None else None)  # Δ alone
         self.round_step = 0
         self.pending = asyncio.ensure_future(self.average_until_settled(delta, weight))
         # Committed (the average already applied), behind, or stopping: a step waiting for it goes on.

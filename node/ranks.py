@@ -242,9 +242,9 @@ class HostWorker:
                           mean_loss=sum(losses) / (mine.steps * len(losses)) if mine.steps else float("nan"),
                           seconds=max([mine.seconds] + [r["seconds"] for r in replies]))
 
-    def pseudo_gradient(self):
+    def pseudo_gradient(self, into=None):
         pending = self.ranks.submit("pseudo_gradient")
-        delta = self.local.pseudo_gradient()
+        delta = self.local.pseudo_gradient(into)
         pending.result()
         return delta
 

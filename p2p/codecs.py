@@ -445,9 +445,14 @@ class ErrorFeedback:
     def fold(self, x: torch.Tensor) -> None:
         """Add the residual into ``x`` (a round's own vector, consumed), which becomes the
         residual's storage: the round writes the next residual over it in place, and the old
-        vector's memory is given back. ``holding`` until the round commits."""
+        vector's memory is given back. ``holding`` until the round commits. ``x`` may be the
+        residual's vector itself, the pseudo-gradient added into it already (``target``): then
+        no second vector exists at all."""
         if x is self.residual:
-            raise ValueError("this vector is error feedback's residual already: a round needs a vector of its own")
+            if self.holding:
+                raise ValueError("this vector is a round's already: give the next round a vector of its own")
+            self.holding = True  # the pseudo-gradient was added into it (``pseudo_gradient(into=)``)
+            return
         if x.shape != self.residual.shape or x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"error feedback holds {self.residual.numel()} fp32 values, got {x.dtype} {tuple(x.shape)}")
         if self.holding:
@@ -458,6 +463,13 @@ class ErrorFeedback:
         else:
             x.add_(self.residual)
         self.residual, self.holding = x, True
+
+    @property
+    def target(self) -> torch.Tensor | None:
+        """The vector to add the next pseudo-gradient into (the residual's, once its round
+        committed), so that it holds the compensated contribution without a vector of Δ
+        alone; None while a round holds it."""
+        return None if self.holding else self.residual
 
     def settle(self) -> None:
         """The round that holds the residual's vector committed: it holds the next residual."""

@@ -163,6 +163,12 @@ class RoundProtocol:
     def feedback(self) -> ErrorFeedback | None:
         return self.plane.feedback
 
+    def delta_target(self) -> torch.Tensor | None:
+        """Where the next pseudo-gradient may be computed (``pseudo_gradient(into=)``) and then
+        donated: error feedback's vector, once the last round that held it committed; None
+        (a vector of the caller's own) otherwise, or before the first round."""
+        return self.feedback.target if self.feedback is not None else None
+
     def ensure_feedback(self, numel: int) -> ErrorFeedback | None:
         """The error-feedback residual of this host's shard (None if not used)."""
         return self.plane.ensure_feedback(numel)
@@ -200,7 +206,7 @@ class RoundProtocol:
                     # The residual's vector is ``flat`` from here on; the old one is given back.
                     try:
                         await off_loop(self.plane.fold, flat)
-                    except ValueError:  # the residual's own vector, given again: nothing was added
+                    except ValueError:  # a vector a round holds already, given again: nothing was added
                         self._donated = None
                         raise
         if self.hostile.any and fresh:

@@ -204,6 +204,10 @@ class ShardPlane:
             self.feedback = ErrorFeedback(numel)
         return self.feedback
 
+    def delta_target(self) -> torch.Tensor | None:
+        """``ErrorFeedback.target`` (None without feedback)."""
+        return self.feedback.target if self.feedback is not None else None
+
     def fold(self, flat: torch.Tensor) -> bool:
         """Error feedback's residual added into ``flat`` (a round's own vector: a donated
         pseudo-gradient, a rank's shard), which becomes the residual's storage; its groups then

@@ -35,9 +35,13 @@ class OuterOptimizer:
     def _check(self, tensors: list[torch.Tensor], what: str) -> None:
         if len(tensors) != len(self.params):
             raise ValueError(f"{what}: {len(tensors)} tensors, expected {len(self.params)}")
-        for i, (t, p) in enumerate(zip(tensors, self.params)):
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
-                raise ValueError(f"{what}: tensor {i} does not match parameter {tuple(p.shape)} {p.dtype}")
+        for i, t in enumerate(tensors):
+            self._check_one(i, t, what)
+
+    def _check_one(self, i: int, t: torch.Tensor, what: str) -> None:
+        p = self.params[i]
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
+            raise ValueError(f"{what}: tensor {i} does not match parameter {tuple(p.shape)} {p.dtype}")
 
     @torch.no_grad()
     def _update(self, i: int, delta: torch.Tensor, in_place: bool) -> torch.Tensor:
@@ -77,6 +81,11 @@ class OuterOptimizer:
         """θ after one step with ``delta`` (new tensors), leaving θ and the momentum untouched."""
         self._check(delta, "outer preview")
         return [self._update(i, d, in_place=False) for i, d in enumerate(delta)]
+
+    def preview_tensor(self, i: int, delta: torch.Tensor) -> torch.Tensor:
+        """``preview``'s tensor ``i`` alone (a new tensor): for a Δ computed tensor by tensor."""
+        self._check_one(i, delta, "outer preview")
+        return self._update(i, delta, in_place=False)
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The momentum m, zeros before the first step (and when momentum is 0)."""

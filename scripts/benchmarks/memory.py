@@ -15,13 +15,21 @@ grow with the model (interpreter, libraries, p2pd). ``minimum`` is what the desi
 CPU host, where the inner loop's model is in host RAM too: parameters, gradients and AdamW's
 two moments (16 bytes), plus the outer state (θ 4, momentum 4, residual 4) and at most 2 bytes
 of round buffers: 30. On a GPU host the first 16 are on the GPUs and the goal is 14.
+
+That CPU host's figure mostly shows what the allocator keeps of the inner loop's temporaries
+(the round's buffers reuse memory they freed). So the outer state is also measured alone
+(``--outer-params``): two processes on loopback hold θ and the momentum and run real rounds and
+outer steps with no model (``outer_memory_peer.py``), as a GPU host's RAM sees them; its slope
+is the GPU host's bytes per parameter, against the goal of 14.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -37,10 +45,12 @@ MINIMUM_CPU = 30  # bytes per parameter: see the module docstring
 
 def add_arguments(group) -> None:
     group.add_argument("--models", default="tiny,small", help="two presets, smaller first (default tiny,small)")
-    group.add_argument("--ranks", default="1,2", help="ranks per host to measure (default 1,2)")
+    group.add_argument("--ranks", default="1,2", help="ranks per host to measure (default 1,2; '': none)")
     group.add_argument("--rounds", type=int, default=4, help="rounds per run, the first a warm-up (default 4)")
     group.add_argument("--inner-steps", type=int, default=3, help="inner steps per round (default 3)")
     group.add_argument("--codec", default="int8", help="the swarm's codec (default int8, with error feedback)")
+    group.add_argument("--outer-params", default="16000000,64000000",
+                       help="outer state alone (what a GPU host keeps in RAM): two sizes, smaller first; '' skips it")
 
 
 def _stamp(date: str, ms: str) -> float:
@@ -92,10 +102,41 @@ def measure(model: str, ranks: int, args) -> dict:
             "round_peak_mb": max(rounds) / 2**20 if rounds else float("nan")}
 
 
+OUTER_PEER = Path(__file__).with_name("outer_memory_peer.py")
+GOAL_GPU_HOST = 14  # bytes per parameter: θ 4, momentum 4, residual 4, round buffers at most 2
+
+
+def measure_outer(params: int, args) -> dict:
+    """Two hosts' outer state alone (``outer_memory_peer.py``) on loopback: the first one's peak
+    resident memory in rounds 2.., from the pseudo-gradient to the end of the outer step."""
+    work = Path(tempfile.mkdtemp(prefix="gonka-outer-mem-"))
+    tag = str(time.time_ns())
+    procs = [subprocess.Popen([sys.executable, str(OUTER_PEER), "--index", str(i), "--workdir", str(work),
+                               "--params", str(params), "--codec", args.codec, "--rounds", str(args.rounds),
+                               "--run-tag", tag], stdout=open(work / f"log{i}", "wb"), stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        for i, p in enumerate(procs):
+            if p.wait(900) != 0:
+                raise RuntimeError(f"outer state peer {i} exited {p.returncode}:\n{log_tail(work / f'log{i}')}")
+        result = json.loads((work / "peer0.json").read_text())
+    finally:
+        stop_all(procs)
+        shutil.rmtree(work, ignore_errors=True)
+    return {"model": f"outer state, {params} values", "ranks": 1, "params": params,
+            "train_peak_mb": float("nan"), "round_peak_mb": max(result["peaks"][1:]) / 2**20}
+
+
 def run(args) -> dict:
     small, big = args.models.split(",")
     rows, summary = [], []
-    for ranks in [int(r) for r in args.ranks.split(",")]:
+    if args.outer_params:
+        first, second = (int(n) for n in args.outer_params.split(","))
+        a, b = measure_outer(first, args), measure_outer(second, args)
+        rows += [a, b]
+        outer = (b["round_peak_mb"] - a["round_peak_mb"]) * 2**20 / (second - first)
+        summary.append({"ranks": "outer state", "round_bytes_per_param": outer, "goal": GOAL_GPU_HOST})
+    for ranks in [int(r) for r in args.ranks.split(",") if r]:  # "" measures the outer state only
         a, b = measure(small, ranks, args), measure(big, ranks, args)
         rows += [a, b]
         dp = b["params"] - a["params"]
@@ -105,5 +146,7 @@ def run(args) -> dict:
                         "minimum": MINIMUM_CPU})
     notes = [f"{s['ranks']} rank(s) per host: {s['train_bytes_per_param']:.1f} host bytes per parameter while "
              f"training, {s['round_bytes_per_param']:.1f} during a round (the design's minimum on a CPU host: "
-             f"{s['minimum']})" for s in summary]
+             f"{s['minimum']})" if "minimum" in s else
+             f"outer state alone (a GPU host's RAM): {s['round_bytes_per_param']:.1f} host bytes per parameter during "
+             f"a round (goal: {s['goal']})" for s in summary]
     return {"rows": rows, "columns": COLUMNS, "summary": summary, "notes": notes}

@@ -476,16 +476,24 @@ def test_error_feedback_folds_into_a_rounds_vector_and_drops_a_round_that_never_
     ef.fold(first)  # the residual added in; the vector is the residual's from now on
     assert ef.residual is first and torch.equal(first, torch.arange(5.0) + 1) and ef.holding
     assert ef.state_dict() is None  # a pseudo-gradient is in it: a checkpoint keeps no residual
-    with pytest.raises(ValueError, match="residual"):
-        ef.fold(first)  # the same vector again
+    assert ef.target is None
+    with pytest.raises(ValueError, match="a round's already"):
+        ef.fold(first)  # the same vector again, while its round holds it
     with pytest.raises(ValueError):
         ef.fold(torch.ones(4))
     first.copy_(torch.full((5,), 0.25))  # as the round writes the next residual over it
     ef.settle()
     assert not ef.holding and torch.equal(ef.state_dict()["residual"], first)
+    # The next pseudo-gradient is added into the residual's vector itself: nothing more to add.
+    assert ef.target is first
+    first.add_(1.0)
+    ef.fold(first)
+    assert torch.equal(first, torch.full((5,), 1.25)) and ef.holding
+    first.copy_(torch.full((5,), 0.5))
+    ef.settle()
     second = torch.ones(5)
-    ef.fold(second)
-    assert torch.equal(second, torch.full((5,), 1.25))
+    ef.fold(second)  # a vector of its own: the residual is added into it
+    assert torch.equal(second, torch.full((5,), 1.5))
     # That round never commits (the swarm moved past it): its vector holds a pseudo-gradient, which
     # the next round must not send again.
     third = torch.full((5,), 2.0)

@@ -517,11 +517,20 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
         averages = [torch.cat([t.reshape(-1) for t in res.decoded()]) for res in results]
         assert all(torch.equal(x, averages[0]) for x in averages)
         assert all(t.data_ptr() != mine.data_ptr() for t in results[0].decoded())
-        # Given again, the vector (error feedback's residual now) is refused: a round needs its own.
+        # The next pseudo-gradient goes into that vector (``delta_target``): given again, it is the
+        # next round's compensated contribution as it stands, nothing added to it.
+        assert a.delta_target() is mine
+        mine.add_(1.0)  # as pseudo_gradient(into=mine) adds a Δ
+        held = mine.clone()
         for s, _, _ in peers:
             s.announce(state="training", round=2)
-        with pytest.raises(ValueError, match="residual"):
-            await asyncio.wait_for(a.average(tensors, 1.0, 2, donate=True), 30)
-        assert a._donated is None and torch.equal(mine, compensated - sent)
+        again = asyncio.ensure_future(a.average(tensors, 1.0, 2, donate=True))
+        for _ in range(600):
+            if a._waiting is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert torch.equal(mine, held) and a.feedback.holding and a.delta_target() is None
+        again.cancel()
+        await asyncio.gather(again, return_exceptions=True)
     finally:
         await stop_peers(peers)

@@ -255,3 +255,27 @@ def test_land_step_wait_ends_on_stop_or_when_the_round_gives_up(corpus):
     before = w.inner_step
     w.settle()  # the round in flight will not commit (behind, stopping): train on from the preview
     assert w.inner_steps(2).steps == 2 and w.inner_step == before + 2
+
+
+def test_a_pseudo_gradient_into_error_feedbacks_vector_is_its_sum_and_the_eager_start_the_same(corpus):
+    """``pseudo_gradient(into=)`` adds Δ into a vector (error feedback's residual, as a node
+    does: no vector of Δ alone) with the bits of Δ plus that vector; the eager start, which then
+    computes Δ again tensor by tensor, is the one Δ itself gives."""
+    import torch
+
+    pair = [make_sim(corpus, overlap="eager").workers[0] for _ in range(2)]
+    for w in pair:
+        w.inner_steps(3)
+    delta = pair[0].pseudo_gradient()
+    flat = torch.cat([d.reshape(-1) for d in delta])
+    residual = torch.randn(flat.numel()) * 1e-3
+    into = residual.clone()
+    views = pair[1].pseudo_gradient(into=into)
+    assert all(v.data_ptr() >= into.data_ptr() for v in views) and views[0].data_ptr() == into.data_ptr()
+    assert torch.equal(into.view(torch.int32), (flat + residual).view(torch.int32))
+    pair[0].start_overlapped(delta)
+    pair[1].start_overlapped(None)
+    assert pair[0].params_hash() == pair[1].params_hash()
+    assert all(torch.equal(a, b) for a, b in zip(pair[0].origin, pair[1].origin))
+    with pytest.raises(ValueError, match="into="):
+        pair[1].pseudo_gradient(into=torch.zeros(3))
