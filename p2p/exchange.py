@@ -113,7 +113,7 @@ class PartExchange:
             await off_loop(group.encode_piece, group.index, k)
             await self._add_piece(group, group.index, k, await off_loop(group.own_input, k))
 
-    async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor) -> None:
+    async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor | bytes) -> None:
         """Store a piece of our part; the contribution that completes piece k averages it."""
         if group.add_piece(sender, k, values):
             try:
@@ -162,8 +162,7 @@ class PartExchange:
                 _, payload = await self._read_payload(reader, expected, deadline)
                 if len(payload) != expected:
                     raise WireError("bad_size", f"piece of {len(payload)} bytes, expected {expected}")
-                values = await off_loop(group.decode_piece, k, payload, index)
-                await self._add_piece(group, index, k, values)
+                await self._add_piece(group, index, k, await off_loop(group.check_piece, k, payload, index))
         except (WireError, RoundFailed) as e:
             if e.reason not in ("timeout", "truncated"):  # not for a member that is merely slow or gone
                 group.blame.setdefault(group.members[index], e.reason)

@@ -21,7 +21,7 @@ soon as every member's piece ``k`` is in and streams it back while later
 pieces are still arriving. Piece boundaries are fixed by the group alone
 (vector size, members, codec), never by arrival, so the bytes are the same.
 
-The tensor work (``encode_piece``, ``decode_piece``, ``reduce_piece``,
+The tensor work (``encode_piece``, ``check_piece``, ``reduce_piece``,
 ``place_piece``) is pure and touches disjoint slices, so the round protocol
 runs it in worker threads (torch releases the GIL) while the event loop keeps
 the streams moving; all bookkeeping stays on the event loop.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p.hostile import HONEST, Behaviour
-from p2p.codecs import Codec, CodecError, all_finite
+from p2p.codecs import Codec, CodecError
 from p2p.compression import CommittedAverage, average_part, part_bounds, piece_bounds
 
 # Streams ("lanes") a member opens to each other member for one part: lane l carries the
@@ -191,7 +191,7 @@ class Group:
         self.weights: dict[int, float] = {}
         self._lanes_in: set[tuple[int, int]] = set()  # (sender, lane) streams that reached us
         own = len(self.pieces[self.index])
-        # Per piece of our part: sender index -> decoded values, until the piece is averaged.
+        # Per piece of our part: sender index -> its input (values, or a checked payload), until the piece is averaged.
         self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(own)]
         self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
         # piece_digest of every averaged piece of every part, filled as they are placed.
@@ -252,17 +252,6 @@ class Group:
         start, end = self.pieces[index][k]
         return self.codec.wire_bytes(end - start)
 
-    def _decode(self, index: int, k: int, data: bytes) -> torch.Tensor:
-        """Decode piece ``k`` of part ``index`` from a peer; refuse anything malformed."""
-        start, end = self.pieces[index][k]
-        try:
-            values = self.codec.decode(data, end - start)
-        except CodecError as e:
-            raise RoundFailed("bad_payload", e.reason) from None
-        if not all_finite(values):  # the codecs already refuse these; never let one through
-            raise RoundFailed("non_finite")
-        return values
-
     def _check(self, index: int, k: int, data: bytes) -> None:
         """Refuse averaged piece ``k`` of part ``index`` if it would not decode (``Codec.check``)."""
         start, end = self.pieces[index][k]
@@ -309,12 +298,12 @@ class Group:
             self._input_hashes[k][self.index] = input_hash(payload)
         return payload
 
-    def own_input(self, k: int) -> torch.Tensor:
-        """What every receiver decodes of our contribution to piece ``k`` of our own part (encoded
-        already): our input to its average."""
-        start, end = self.pieces[self.index][k]
+    def own_input(self, k: int) -> torch.Tensor | bytes:
+        """Our input to the average of piece ``k`` of our own part (encoded already): what every
+        receiver decodes of our contribution, as values or, in place, as its payload."""
         if self.in_place:
-            return self.codec.decode(self._payloads[self.index][k], end - start)
+            return self._payloads[self.index][k]
+        start, end = self.pieces[self.index][k]
         return self.sent_values(start, end)
 
     def restore(self) -> None:
@@ -340,12 +329,15 @@ class Group:
         start, end = self.pieces[index][k]
         return self.codec.encode(self.flat[start:end])
 
-    def decode_piece(self, k: int, data: bytes, sender: int | None = None) -> torch.Tensor:
-        """A peer's contribution to piece ``k`` of our part (its hash kept for our declaration)."""
-        values = self._decode(self.index, k, data)
+    def check_piece(self, k: int, data: bytes, sender: int | None = None) -> bytes:
+        """A peer's contribution to piece ``k`` of our part, refused here if it would not decode
+        (``Codec.check``), and kept as it came (its hash kept for our declaration): decoded only
+        when the piece is averaged, so inputs that wait for the others' hold their wire size
+        (1 byte per value for int8) instead of 4."""
+        self._check(self.index, k, data)
         if sender is not None:
             self._input_hashes[k][sender] = input_hash(data)
-        return values
+        return data
 
     def effective_weights(self) -> list[float]:
         """Every member's weight as the average counts it (``capped_weights``)."""
@@ -384,7 +376,9 @@ class Group:
     def reduce_piece(self, k: int) -> bytes:
         """Weighted mean of piece ``k`` of our part in member order, encoded once; placed in our result
         as every other member will decode it."""
-        inputs = self._inputs[k]
+        start, end = self.pieces[self.index][k]
+        inputs = [x if isinstance(x, torch.Tensor) else self.codec.decode(x, end - start)  # checked when it came
+                  for x in (self._inputs[k][i] for i in range(len(self.members)))]
         weights = self.effective_weights()
         data = self.aggregate([(weights[i], inputs[i]) for i in range(len(self.members))])
         if self.hostile.alter_slice:  # test-only: an owner that returns a finite but wrong average
@@ -567,10 +561,11 @@ class Group:
             self.add_weight(sender, weight)
         self._lanes_in.add((sender, lane))
 
-    def add_piece(self, sender: int, k: int, values: torch.Tensor) -> bool:
-        """Store one member's piece ``k`` of our part; True once every member's piece ``k`` is in."""
+    def add_piece(self, sender: int, k: int, values: torch.Tensor | bytes) -> bool:
+        """Store one member's piece ``k`` of our part (its values, or its payload as ``check_piece``
+        passed it); True once every member's piece ``k`` is in."""
         start, end = self.pieces[self.index][k]
-        assert sender in self.weights and values.numel() == end - start
+        assert sender in self.weights and (not isinstance(values, torch.Tensor) or values.numel() == end - start)
         inputs = self._inputs[k]
         if sender in inputs or self.reduced[k] is not None:
             raise RoundFailed("duplicate_part")
