@@ -192,7 +192,7 @@ class Group:
         self._lanes_in: set[tuple[int, int]] = set()  # (sender, lane) streams that reached us
         own = len(self.pieces[self.index])
         # Per piece of our part: sender index -> its input (values, or a checked payload), until the piece is averaged.
-        self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(own)]
+        self._inputs: list[dict[int, torch.Tensor | bytes]] = [{} for _ in range(own)]
         self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
         # piece_digest of every averaged piece of every part, filled as they are placed.
         self._placed: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
@@ -284,6 +284,7 @@ class Group:
         return payload
 
     def _encode_in_place(self, index: int, k: int, values: torch.Tensor) -> bytes:
+        assert self._payloads[index][k] is None, "a piece is encoded once per attempt: it holds the residual now"
         decoded = _decode_scratch(values.numel())
         try:
             payload = self.codec.encode(values, decoded)
