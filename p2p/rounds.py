@@ -167,7 +167,7 @@ class RoundProtocol:
         """Where the next pseudo-gradient may be computed (``pseudo_gradient(into=)``) and then
         donated: error feedback's vector, once the last round that held it committed; None
         (a vector of the caller's own) otherwise, or before the first round."""
-        return self.feedback.target if self.feedback is not None else None
+        return self.plane.delta_target()
 
     def ensure_feedback(self, numel: int) -> ErrorFeedback | None:
         """The error-feedback residual of this host's shard (None if not used)."""

@@ -208,14 +208,12 @@ class ShardPlane:
         """``ErrorFeedback.target`` (None without feedback)."""
         return self.feedback.target if self.feedback is not None else None
 
-    def fold(self, flat: torch.Tensor) -> bool:
+    def fold(self, flat: torch.Tensor) -> None:
         """Error feedback's residual added into ``flat`` (a round's own vector: a donated
         pseudo-gradient, a rank's shard), which becomes the residual's storage; its groups then
-        work in place (``Group.in_place``). False (nothing done) without feedback. Tensor work."""
-        if self.feedback is None:
-            return False
-        self.feedback.fold(flat)
-        return True
+        work in place (``Group.in_place``). Nothing without feedback. Tensor work."""
+        if self.feedback is not None:
+            self.feedback.fold(flat)
 
     def committed(self, group: Group) -> None:
         """The group's round committed: its residual is the one the next round adds back."""

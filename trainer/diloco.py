@@ -67,6 +67,11 @@ def _check_vocab(corpus, loaded: LoadedModel) -> None:
                          f"the vocab_size {loaded.vocab_size} of {loaded.source}")
 
 
+def _delta(start: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One tensor's Δ = start − θ_local, fp32 on the CPU (into ``out`` if given)."""
+    return torch.sub(start, local.detach().to("cpu", torch.float32), out=out)
+
+
 class DiLoCoWorker:
     """Global state θ and momentum, plus this peer's local model, AdamW and data stream."""
 
@@ -261,9 +266,9 @@ class DiLoCoWorker:
         for g, p in zip(start, local):
             d = flat[at : at + g.numel()].view_as(g)
             if into is None:
-                torch.sub(g, p.detach().to("cpu", torch.float32), out=d)
+                _delta(g, p, out=d)
             else:
-                d.add_(torch.sub(g, p.detach().to("cpu", torch.float32)))  # one tensor's Δ at a time
+                d.add_(_delta(g, p))  # one tensor's Δ at a time
             delta.append(d)
             at += g.numel()
         return delta
@@ -340,7 +345,7 @@ class DiLoCoWorker:
         elif own_delta is not None:
             start = self.outer_opt.preview(own_delta)
         else:
-            start = [self.outer_opt.preview_tensor(i, torch.sub(g, p.detach().to("cpu", torch.float32)))
+            start = [self.outer_opt.preview_tensor(i, _delta(g, p))
                      for i, (g, p) in enumerate(zip(self._start(), self._local()))]
         with self._lock:
             for s, p in zip(start, self._local()):

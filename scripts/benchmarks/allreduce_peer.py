@@ -90,6 +90,41 @@ async def abarrier(workdir: Path, name: str, index: int, peers: int, deadline: f
             await asyncio.sleep(POLL)
 
 
+def tune_allocator() -> None:
+    """The allocator policy a node's daemon sets at start (older trees have no such module)."""
+    try:
+        from node.allocator import tune_malloc
+    except ImportError:
+        return
+    tune_malloc()
+
+
+def peer0_addresses(workdir: Path, index: int, deadline: float) -> list[str]:
+    """What a peer bootstraps from: peer 0's addresses (``joined_rounds`` writes them), none for peer 0."""
+    if index == 0:
+        return []
+    addr_file = workdir / "peer0.maddrs"
+    wait_for_file(addr_file, deadline)
+    return json.loads(addr_file.read_text())
+
+
+async def joined_rounds(swarm, metrics, workdir: Path, index: int, peers: int, deadline: float):
+    """This peer's round protocol, once its peer table holds every other peer (peer 0 publishes
+    its addresses first)."""
+    from p2p.rounds import RoundProtocol
+
+    if index == 0:
+        write_json(workdir / "peer0.maddrs", swarm.maddrs)
+    rounds = RoundProtocol(swarm, metrics)
+    await rounds.start()
+    swarm.announce(state="training", round=0, hash="")
+    while len(await swarm.refresh_peers()) < peers - 1:
+        if time.time() > deadline:
+            raise TimeoutError(f"peer table shows {len(swarm.peers)} of {peers - 1} other peers")
+        await asyncio.sleep(0.1)
+    return rounds
+
+
 def make_input(seed: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
@@ -122,21 +157,11 @@ def check_result(result: torch.Tensor, args, aggregator: str = "mean") -> dict:
 async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
     from node.metrics import NodeMetrics
     from p2p.config import SwarmConfig
-    from p2p.rounds import RoundProtocol
     from p2p.swarm import Swarm
 
-    try:  # as the node's daemon does at start (older trees have no such module)
-        from node.allocator import tune_malloc
-    except ImportError:
-        pass
-    else:
-        tune_malloc()
+    tune_allocator()
     workdir = Path(args.workdir)
-    addr_file = workdir / "peer0.maddrs"
-    bootstrap: list[str] = []
-    if args.index > 0:
-        wait_for_file(addr_file, deadline)
-        bootstrap = json.loads(addr_file.read_text())
+    bootstrap = peer0_addresses(workdir, args.index, deadline)
     options = dict(
         bootstrap=bootstrap,
         listen=[f"/ip4/{args.ip}/tcp/0"],
@@ -155,15 +180,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
     swarm = await Swarm.start(SwarmConfig(**options), f"bench-{args.run_tag}", identity_path=None,
                               on_reject=lambda reason: metrics.rejected_messages.labels(reason=reason).inc())
     try:
-        if args.index == 0:
-            write_json(addr_file, swarm.maddrs)
-        rounds = RoundProtocol(swarm, metrics)
-        await rounds.start()
-        swarm.announce(state="training", round=0, hash="")
-        while len(await swarm.refresh_peers()) < args.peers - 1:  # everyone is in the peer table
-            if time.time() > deadline:
-                raise TimeoutError(f"peer table shows {len(swarm.peers)} of {args.peers - 1} other peers")
-            await asyncio.sleep(0.1)
+        rounds = await joined_rounds(swarm, metrics, workdir, args.index, args.peers, deadline)
         await abarrier(workdir, "joined", args.index, args.peers, deadline)
         repeats, result = [], None
         given = x.clone()

@@ -17,9 +17,7 @@ resident memory once θ and the momentum exist (``base``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import faulthandler
-import json
 import sys
 import threading
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_peer import abarrier, wait_for_file, write_json  # noqa: E402
+from allreduce_peer import abarrier, joined_rounds, peer0_addresses, tune_allocator, write_json  # noqa: E402
 
 
 def rss() -> int:
@@ -65,23 +63,13 @@ async def run(args, deadline: float) -> dict:
     from node.metrics import NodeMetrics
     from p2p.config import SwarmConfig
     from p2p.exchange import off_loop
-    from p2p.rounds import RoundProtocol
     from p2p.swarm import Swarm
     from trainer.config import OuterConfig
     from trainer.outer import OuterOptimizer
 
-    try:  # as the node's daemon does at start
-        from node.allocator import tune_malloc
-    except ImportError:
-        pass
-    else:
-        tune_malloc()
+    tune_allocator()
     workdir = Path(args.workdir)
-    addr_file = workdir / "peer0.maddrs"
-    bootstrap: list[str] = []
-    if args.index > 0:
-        wait_for_file(addr_file, deadline)
-        bootstrap = json.loads(addr_file.read_text())
+    bootstrap = peer0_addresses(workdir, args.index, deadline)
     cfg = SwarmConfig(bootstrap=bootstrap, listen=["/ip4/127.0.0.1/tcp/0"], min_peers=args.peers,
                       heartbeat_interval=0.5, codec=args.codec, error_feedback=True)
     metrics = NodeMetrics()
@@ -89,15 +77,7 @@ async def run(args, deadline: float) -> dict:
                               on_reject=lambda reason: metrics.rejected_messages.labels(reason=reason).inc())
     sampler = Sampler()
     try:
-        if args.index == 0:
-            write_json(addr_file, swarm.maddrs)
-        rounds = RoundProtocol(swarm, metrics)
-        await rounds.start()
-        swarm.announce(state="training", round=0, hash="")
-        while len(await swarm.refresh_peers()) < args.peers - 1:
-            if time.time() > deadline:
-                raise TimeoutError("the other peers never showed up")
-            await asyncio.sleep(0.1)
+        rounds = await joined_rounds(swarm, metrics, workdir, args.index, args.peers, deadline)
         sizes = [args.params // args.tensors + (1 if i < args.params % args.tensors else 0) for i in range(args.tensors)]
         gen = torch.Generator().manual_seed(args.index)
         theta = [torch.randn(n, generator=gen) for n in sizes]
