@@ -268,8 +268,21 @@ class RankFollower:
             raise RuntimeError("no committed average to apply")
         averaged, self.averaged = self.averaged, None
         self.server.snapshot = None  # of a state we no longer hold; rank 0 asks for the next when a joiner does
-        await self.compute(self.worker.apply_outer, averaged)
-        return {"hash": await self.compute(self.worker.params_hash)}
+        reset = bool(h.get("reset", True))
+        if reset:
+            await self.compute(self.worker.apply_outer, averaged)
+            return {"hash": await self.compute(self.worker.params_hash)}
+        # Overlapped: the trainer's thread is busy with the next round's steps (which land it,
+        # every rank at one step): the outer step runs beside them, as on rank 0.
+        await asyncio.to_thread(self.worker.apply_outer, averaged, reset_local=False)
+        return {"hash": await asyncio.to_thread(self.worker.params_hash)}
+
+    async def _op_start_overlapped(self, h: dict) -> dict:
+        # Our Δ alone is in no vector once error feedback exists (it went into the residual's,
+        # and a fold added the residual): the preview computes it again, tensor by tensor.
+        own = self.delta if self.plane.feedback is None else None
+        await self.compute(self.worker.start_overlapped, own)
+        return {}
 
     async def _op_reset_local(self, h: dict) -> dict:
         await self.compute(self.worker.reset_local)

@@ -44,9 +44,6 @@ def check_host(config: Config) -> None:
                              f"{'' if gpus == 1 else 's'} (one rank per GPU)")
     elif n > (os.cpu_count() or 1):
         raise ValueError(f"host.nproc_per_node: {n} CPU ranks, but this host has {os.cpu_count()} cores")
-    if config.outer.overlap != "off":
-        raise ValueError(f"outer.overlap: {config.outer.overlap} is not available with host.nproc_per_node > 1 "
-                         f"in this version (use off)")
     if config.node.checkpoint_dir:  # a part missing, or another layout's checkpoint: before any rank loads one
         from trainer.checkpoint import host_checkpoint
 

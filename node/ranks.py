@@ -249,10 +249,16 @@ class HostWorker:
         return delta
 
     def apply_outer(self, avg_delta, *, reset_local: bool = True) -> None:
-        assert reset_local, "overlapped rounds are single-rank for now"
-        pending = self.ranks.submit("apply_outer")
-        self.local.apply_outer(avg_delta)
+        """Every rank's outer step on its shard. Overlapped (``reset_local`` False), the ranks'
+        inner steps run meanwhile and land it together (``DiLoCoWorker._host_gate``)."""
+        pending = self.ranks.submit("apply_outer", reset=reset_local)
+        self.local.apply_outer(avg_delta, reset_local=reset_local)
         self._took(pending.result())
+
+    def start_overlapped(self, own_delta=None) -> None:
+        pending = self.ranks.submit("start_overlapped")
+        self.local.start_overlapped(own_delta)
+        pending.result()
 
     def reset_local(self) -> None:
         pending = self.ranks.submit("reset_local")

@@ -196,24 +196,17 @@ class DiLoCoWorker:
 
     def inner_steps(self, n: int, should_stop: Callable[[], bool] | None = None) -> InnerStats:
         """Up to ``n`` AdamW steps on this worker's shard; blocking. On a multi-rank host every
-        rank takes the same steps: one that is told to stop stops them all at the next step."""
-        if self.ranks is not None and self.ranks.world > 1:
-            asked = should_stop
-            should_stop = lambda: self.ranks.any(asked is not None and asked())  # noqa: E731
+        rank takes the same steps: one that is told to stop stops them all at the next step, and
+        an average of the round in flight lands on every rank at the same step."""
         start = time.perf_counter()
         self.model.train()
         # Losses add up on the device and are read once: no host sync per step.
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         steps = 0
+        gate = self._host_gate if self.ranks is not None and self.ranks.world > 1 else self._gate
         for _ in range(n):
-            if should_stop is not None and should_stop():
+            if not gate(should_stop):
                 break
-            land_step = self.outer_cfg.land_step
-            if self._steps_in_flight + 1 == land_step and not self._wait_settled(should_stop):
-                break
-            self._steps_in_flight += 1
-            if self._steps_in_flight >= land_step:  # an average that came in earlier waits for its step
-                self._rebase_if_due()
             x, y = self.sampler.next_batch()
             lr = inner_lr(self.inner_step, self.inner_cfg)
             for group in self.inner_opt.param_groups:
@@ -273,11 +266,43 @@ class DiLoCoWorker:
             at += g.numel()
         return delta
 
-    def _wait_settled(self, should_stop: Callable[[], bool] | None) -> bool:
-        """outer.land_step: wait for the round in flight to commit (or give up); False if told to stop."""
-        while not self._settled.wait(LAND_POLL_SECONDS):
-            if should_stop is not None and should_stop():
+    def _gate(self, should_stop: Callable[[], bool] | None) -> bool:
+        """Before an inner step: False to stop. A committed average of the round in flight lands
+        now, unless ``outer.land_step`` = K holds it for the K-th step of the flight, which waits
+        for the round to commit (or give up) if it has not."""
+        if should_stop is not None and should_stop():
+            return False
+        land_step = self.outer_cfg.land_step
+        if self._steps_in_flight + 1 == land_step:
+            while not self._settled.wait(LAND_POLL_SECONDS):
+                if should_stop is not None and should_stop():
+                    return False
+        self._steps_in_flight += 1
+        if self._steps_in_flight >= land_step:  # an average that came in earlier waits for its step
+            self._rebase_if_due()
+        return True
+
+    def _host_gate(self, should_stop: Callable[[], bool] | None) -> bool:
+        """``_gate`` on a multi-rank host, where every decision is the ranks' together (one
+        all-reduce of three flags per step, every rank deciding the same from the same answer):
+        a stop asked of any rank stops all; rank 0, whose round protocol runs the round, says
+        when it is over (``settle``: on a commit, only once every rank has applied its outer
+        step); and an average lands only at a step at which every rank has it. Ranks that took
+        it at different steps would train different models for a while (FSDP: shards of two
+        starts; DDP: replicas that never become one again)."""
+        land_step = self.outer_cfg.land_step
+        while True:
+            asked = should_stop is not None and should_stop()
+            unsettled = self.ranks.rank == 0 and not self._settled.is_set()
+            stop, unsettled, not_landed = self.ranks.any(asked, unsettled, not self._rebase_due)
+            if stop:
                 return False
+            if not (unsettled and self._steps_in_flight + 1 == land_step):
+                break
+            time.sleep(LAND_POLL_SECONDS)
+        self._steps_in_flight += 1
+        if self._steps_in_flight >= land_step and not not_landed:
+            self._rebase_if_due()
         return True
 
     def settle(self) -> None:

@@ -45,11 +45,13 @@ class Ranks:
         """The host's shard layout, as the run's fingerprint records it."""
         return f"{self.mode}x{self.world}"
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any (a collective: every rank calls it)."""
-        t = torch.tensor([1.0 if flag else 0.0])
+    def any(self, *flags: bool) -> tuple[bool, ...] | bool:
+        """For each flag, True on every rank if it is True on any (one all-reduce: a collective,
+        every rank calls it with as many flags). One flag: one bool."""
+        t = torch.tensor([1.0 if f else 0.0 for f in flags])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        out = tuple(bool(v) for v in t.tolist())
+        return out[0] if len(out) == 1 else out
 
 
 def launched() -> bool:

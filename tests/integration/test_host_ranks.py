@@ -159,8 +159,10 @@ def test_two_hosts_of_two_ddp_ranks_train_on_one_hash(nodes, tmp_path):
     """--parallel ddp: every rank a whole replica, each syncing FSDP2's rows of it; the hosts
     commit the same rounds on one params_hash and stop by themselves at --max-rounds. With int8
     and error feedback, as a host of a large model runs: each rank's round works in place over
-    its residual's vector (p2p/group.py, Group.in_place)."""
-    ddp = [*HOST, "--parallel", "ddp", "--min-peers", "2", "--max-rounds", "2", "--set", "swarm.codec=int8"]
+    its residual's vector (p2p/group.py, Group.in_place). Eager overlap: every rank trains the
+    next round while its shard is averaged, and all ranks land the average at one step."""
+    ddp = [*HOST, "--parallel", "ddp", "--min-peers", "2", "--max-rounds", "2", "--set", "swarm.codec=int8",
+           "--overlap", "eager"]
     a = nodes("a", *ddp)
     b = nodes("b", *ddp, "--checkpoint-dir", str(tmp_path / "b-ckpt"), "--bootstrap", a.address())
     for n in (a, b):

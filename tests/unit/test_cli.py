@@ -51,11 +51,10 @@ def assert_usage_error(result: subprocess.CompletedProcess, *names: str) -> None
         (["start", "--nproc-per-node", "0"], {}, ["host.nproc_per_node", "--nproc-per-node"]),
         (["start", "--parallel", "tp"], {}, ["host.parallel", "tp"]),
         # Checked before any rank starts: more CPU ranks than cores, more ranks than GPUs, one GPU
-        # named for several ranks, overlap (not available with several ranks).
+        # named for several ranks.
         (["start", "--nproc-per-node", str(4 * (os.cpu_count() or 1)), "--device", "cpu"], {},
          ["host.nproc_per_node", "cores"]),
         (["start", "--nproc-per-node", "2", "--device", "cuda:1"], {}, ["node.device"]),
-        (["start", "--nproc-per-node", "2", "--device", "cpu", "--overlap", "eager"], {}, ["outer.overlap"]),
     ],
 )
 def test_bad_usage_is_one_line_and_exit_2(args, env, names):

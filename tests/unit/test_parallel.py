@@ -110,6 +110,55 @@ def test_fsdp_ranks_initialise_only_their_rows_with_the_bits_of_the_unsharded_in
     assert parts[0]["loss"] == parts[1]["loss"] and 5.0 < parts[0]["loss"] < 6.0  # an untrained byte model: ~ln 256
 
 
+def _overlap(rank: int, world: int, mode: str, land_step: int) -> dict:
+    """An eager overlapped round whose average reaches one rank two steps after the other (DDP,
+    landing as soon as it can), or reaches rank 0 only while the others wait for it at
+    outer.land_step (FSDP): the inner steps at which each rank's local copy took it."""
+    import threading
+
+    from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
+    from trainer.data import default_corpus_paths, load_corpus
+    from trainer.diloco import DiLoCoWorker
+    from trainer.parallel import Ranks
+
+    worker = DiLoCoWorker(model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
+                          inner=InnerConfig(lr=1e-3, warmup_steps=1, total_steps=10),
+                          outer=OuterConfig(overlap="eager", land_step=land_step),
+                          corpus=load_corpus(default_corpus_paths()[:5]), shard_key="host", seed=3,
+                          ranks=Ranks(rank, world, mode, torch.device("cpu")))
+    worker.inner_steps(2)
+    delta = worker.pseudo_gradient()
+    avg = [d.clone() for d in delta]  # our own Δ stands in for the swarm's average
+    worker.start_overlapped(delta)
+    landed, rebase = [], worker._rebase_if_due
+
+    def spy():
+        if worker._rebase_due:
+            landed.append(worker.inner_step)
+        rebase()
+
+    worker._rebase_if_due = spy
+    late = rank == (1 if mode == "ddp" else 0)
+    if not late:
+        worker.apply_outer(avg, reset_local=False)
+        worker.settle()
+        worker.inner_steps(4)
+    elif mode == "ddp":  # at the third step of the phase, from the trainer's own thread
+        def arrive():
+            if worker.inner_step == 4 and not worker._rebase_due and not landed:
+                worker.apply_outer(avg, reset_local=False)
+            return False
+
+        worker.inner_steps(4, arrive)
+    else:  # rank 0's round commits while the ranks' steps wait for it at land_step
+        timer = threading.Timer(1.0, lambda: (worker.apply_outer(avg, reset_local=False), worker.settle()))
+        timer.start()
+        worker.inner_steps(4)
+        timer.join()
+    return {"landed": landed, "params": [p.detach().clone() for p in worker.model.parameters()],
+            "round": worker.round}
+
+
 def _pretrained(rank: int, world: int, model_dirs: list[str]) -> dict:
     import trainer.model as model_module
     from trainer.config import ModelConfig
@@ -139,6 +188,7 @@ def _host_rank(rank: int, world: int, init_file: str, out_dir: str, model_dirs: 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.save({"ddp": _ddp(rank, world), "fsdp": _fsdp(rank, world),
+                    "overlap_ddp": _overlap(rank, world, "ddp", 0), "overlap_fsdp": _overlap(rank, world, "fsdp", 2),
                     "pretrained": _pretrained(rank, world, model_dirs)}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -167,3 +217,16 @@ def test_fsdp_ranks_read_only_their_rows_of_pretrained_weights(host_of_two):
         assert len(params) == len(parts[0][d])
         for i, p in enumerate(params):
             assert torch.equal(torch.cat([part[d][i] for part in parts]), p.detach()), (d, i)
+
+
+def test_an_overlapped_average_lands_on_every_rank_at_one_step(host_of_two):
+    # DDP: rank 0 has the average before the phase, rank 1 two steps into it; both take it at
+    # that step (one all-reduce of flags per step), so the replicas stay one, bit for bit.
+    a, b = (p["overlap_ddp"] for p in host_of_two["ranks"])
+    assert a["landed"] == b["landed"] == [4], (a["landed"], b["landed"])
+    assert a["round"] == b["round"] == 1
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    # FSDP with outer.land_step=2: rank 1 has it at once, but every rank waits at the second step
+    # of the flight until rank 0's round is over (settle), and then all land it there.
+    a, b = (p["overlap_fsdp"] for p in host_of_two["ranks"])
+    assert a["landed"] == b["landed"] == [3], (a["landed"], b["landed"])
