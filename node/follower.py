@@ -255,12 +255,12 @@ class RankFollower:
             return {}
         self.plane.leave(group)
         if h.get("commit"):
+            if group.in_place:  # what the codec dropped of what we sent, for the next round
+                from p2p.exchange import off_loop
+
+                await off_loop(group.write_residual)
             self.plane.committed(group)
             self.averaged = group.committed_average(self.delta)  # decoded by the outer step
-        elif group.in_place:
-            from p2p.exchange import off_loop
-
-            await off_loop(group.restore)  # our shard as it was, for the next attempt
         return {}
 
     async def _op_apply_outer(self, h: dict) -> dict:

@@ -172,14 +172,11 @@ class Group:
         # What the receivers decode of our contribution to our own part, filled as its pieces are
         # encoded: we average our piece as everyone else would decode it.
         own_start, own_end = self.bounds[self.index]
-        # In place, each piece's payload as we encoded it, until the round ends (``encode_piece``).
-        self._payloads: list[list[bytes | None]] | None = None
         if self.codec.exact:
             self.sent, self._sent_base = self.flat, 0
             assert self.residual is None, "an exact codec drops nothing to feed back"
         elif self.in_place:
             self.sent, self._sent_base = None, own_start
-            self._payloads = [[None] * len(p) for p in self.pieces]
         else:
             if self.sent is None:
                 self.sent = torch.empty(own_end - own_start, dtype=torch.float32)
@@ -213,12 +210,13 @@ class Group:
 
     @property
     def in_place(self) -> bool:
-        """Error feedback writes the next residual over ``flat`` itself: ``flat`` is the feedback's
-        vector, holding our compensated contribution (``ShardPlane.fold``). Each piece's payload
-        is kept as it is encoded (1 byte per value for int8): what an auditor asks for, what our
-        own part's average takes of us, and what ``restore`` adds back if the attempt fails. No
-        vector of the pseudo-gradient, of what our part's receivers decode, nor of the average
-        exists beside it."""
+        """Error feedback's vector is ``flat`` itself, holding our compensated contribution
+        (``ShardPlane.fold``); the round leaves it as it is, and only once it commits is the next
+        residual written over it (``write_residual``). Nothing of what we send is kept: the codec
+        is a pure function of the values, so an auditor's request and our own part's input are
+        encoded again from ``flat``, and a failed attempt has nothing to give back. No vector of
+        the pseudo-gradient, of what our part's receivers decode, nor of the average exists beside
+        it, nor our payloads (a byte per value for int8)."""
         return self.residual is not None and self.residual is self.flat
 
     @property
@@ -284,39 +282,33 @@ class Group:
         return payload
 
     def _encode_in_place(self, index: int, k: int, values: torch.Tensor) -> bytes:
-        assert self._payloads[index][k] is None, "a piece is encoded once per attempt: it holds the residual now"
-        decoded = _decode_scratch(values.numel())
         try:
-            payload = self.codec.encode(values, decoded)
+            payload = self.codec.encode(values, _decode_scratch(values.numel()))
         except CodecError as e:
             raise RoundFailed(e.reason) from None
-        # x - d is exact wherever d is within a factor of two of x (Sterbenz), as a code's value is
-        # of the value it encodes (or is 0): ``restore`` then gives back x's very bits. (Not for a
-        # value past a codec's range, fp16's 65504: restoring it may be off by one rounding.)
-        torch.sub(values, decoded, out=values)
-        self._payloads[index][k] = payload
         if index == self.index:
             self._input_hashes[k][self.index] = input_hash(payload)
         return payload
 
     def own_input(self, k: int) -> torch.Tensor | bytes:
         """Our input to the average of piece ``k`` of our own part (encoded already): what every
-        receiver decodes of our contribution, as values or, in place, as its payload."""
+        receiver decodes of our contribution, as values or, in place, as its payload (encoded
+        again: the bytes we sent, as ``contribution``)."""
         if self.in_place:
-            return self._payloads[self.index][k]
+            return self.contribution(self.index, k)
         start, end = self.pieces[self.index][k]
         return self.sent_values(start, end)
 
-    def restore(self) -> None:
-        """The attempt failed: add back to ``flat`` what each piece we encoded sent (in place), so
-        that it holds our compensated contribution again for the next attempt."""
-        if self._payloads is None:
-            return
-        for index, part in enumerate(self.pieces):
-            for k, (start, end) in enumerate(part):
-                payload, self._payloads[index][k] = self._payloads[index][k], None
-                if payload is not None:
-                    self.flat[start:end].add_(self.codec.decode(payload, end - start, _decode_scratch(end - start)))
+    def write_residual(self) -> None:
+        """In place, once the round committed: the next residual over ``flat``, piece by piece what
+        the codec dropped of what we sent (each piece encoded again, the bytes we sent)."""
+        assert self.in_place
+        for part in self.pieces:
+            for start, end in part:
+                values = self.flat[start:end]
+                decoded = _decode_scratch(end - start)
+                self.codec.encode(values, decoded)
+                values.sub_(decoded)
 
     def sent_values(self, start: int, end: int) -> torch.Tensor:
         """What the receivers decode of our contribution to [start, end) of our own part."""
@@ -325,8 +317,6 @@ class Group:
     def contribution(self, index: int, k: int) -> bytes:
         """Our encoded piece ``k`` of part ``index`` again, for an auditor: the codec is a pure
         function of the values, so these are the bytes the owner got (nothing else is written)."""
-        if self._payloads is not None and (payload := self._payloads[index][k]) is not None:
-            return payload  # in place: ``flat`` holds the next residual there now
         start, end = self.pieces[index][k]
         return self.codec.encode(self.flat[start:end])
 
@@ -408,8 +398,8 @@ class Group:
     def committed_average(self, like: list[torch.Tensor], out: torch.Tensor | None = None) -> CommittedAverage:
         """The average, shaped like ``like``, decoded as it is read (``CommittedAverage``): into
         ``out``, by default over ``flat``, only once the round committed, when nobody needs our
-        contribution any more (every member voted after its audit); in place (``flat`` holds the
-        next residual then), into tensors of its own. The encoded pieces move to it."""
+        contribution any more (every member voted after its audit); in place (``flat`` is error
+        feedback's vector, ``write_residual``), into tensors of its own. The encoded pieces move to it."""
         assert all(d is not None for part in self._placed for d in part), "the average before every piece was placed"
         if out is None and not self.in_place:
             out = self.flat
@@ -417,7 +407,6 @@ class Group:
         pieces = [bounds for part in self.pieces for bounds in part]
         encoded = [d for part in self._averaged for d in part]
         self._averaged = [[None] * len(p) for p in self.pieces]
-        self._payloads = None  # the round committed: what we sent is needed no more
         return CommittedAverage(self.codec, pieces, encoded, like, out)
 
     # ---- audit: a sampled piece of another member's part, recomputed ----------------

@@ -232,8 +232,6 @@ class RoundProtocol:
             await self._allreduce(group)
         except (RoundFailed, asyncio.CancelledError) as e:
             reason = e.reason if isinstance(e, RoundFailed) else "stopping"
-            if group.in_place:  # after the attempt's tensor work (one worker thread, in order)
-                await asyncio.shield(off_loop(group.restore))
             await asyncio.shield(self._broadcast_abort(group, reason))
             if self.shards is not None:
                 await asyncio.shield(self.shards.end(group, committed=False))
@@ -249,6 +247,8 @@ class RoundProtocol:
             self._leave(group)
         blamed = self._judge(group)
         seconds = time.monotonic() - gathered
+        if group.in_place:  # what the codec dropped of what we sent, for the next round
+            await asyncio.shield(off_loop(group.write_residual))
         self.plane.committed(group)
         if self.shards is not None:
             await self.shards.end(group, committed=True)

@@ -230,8 +230,8 @@ class ShardPlane:
         """A group reducing ``flat``. ``residual_added``: error feedback's residual was folded into
         ``flat`` once, for every attempt of the round (``fold``: a donated pseudo-gradient, a
         rank's shard), and ``flat`` is the residual's vector now: the group works in place
-        (``Group.in_place``), writing the next residual over ``flat`` as it encodes each piece;
-        a failed attempt restores it (``Group.restore``). Otherwise (a copy made per attempt,
+        (``Group.in_place``): an attempt leaves ``flat`` as it is, and a commit writes the next
+        residual over it (``Group.write_residual``). Otherwise (a copy made per attempt,
         adding the residual each time) the next residual goes to a buffer of its own, adopted
         on commit."""
         numel = flat.numel()

@@ -212,44 +212,40 @@ def test_an_abort_names_the_member_it_failed_on_and_a_named_culprit_must_be_anot
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int4", "fp4"])
-def test_in_place_the_next_residual_is_written_over_our_vector_and_a_failed_attempt_restores_its_bits(name, monkeypatch):
-    """Error feedback's vector is the round's (``Group.in_place``): each piece's payload is kept as
-    it is encoded and the next residual written over the piece; a failed attempt gives back the
-    very bits of our compensated contribution; a commit leaves the residual there and decodes the
-    average into tensors of its own."""
+def test_in_place_an_attempt_leaves_our_vector_and_a_commit_writes_the_next_residual_over_it(name, monkeypatch):
+    """Error feedback's vector is the round's (``Group.in_place``): encoding keeps nothing and
+    writes nothing, so an attempt that fails leaves our compensated contribution as it was; an
+    auditor and our own part get the bytes we sent, encoded again; once the round commits the
+    next residual is written over the vector, and the average is decoded into tensors of its
+    own."""
     monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
     codec = get_codec(name)
     torch.manual_seed(7)
-    # Many magnitudes, within what each codec represents (fp16's largest is 65504: a value past it
-    # is sent as that, not within a factor of two, and restoring it may be off by a rounding).
-    flat = torch.randn(3001) * torch.exp2(torch.randint(-30, 12, (3001,)).float())
+    flat = torch.randn(3001) * torch.exp2(torch.randint(-30, 12, (3001,)).float())  # many magnitudes
     original = flat.clone()
     group = Group(os.urandom(16), 0, ["a", "b", "c"], "b", flat, 1.0, codec, residual=flat)
     assert group.in_place and group.sent is None
     everything = [(j, k) for j, part in enumerate(group.pieces) for k in range(len(part))]
-    half = everything[::2]
-    for j, k in half:
+    for j, k in everything[::2]:  # an attempt that fails part way
         group.encode_piece(j, k)
-    group.restore()  # an attempt that failed part way
     assert torch.equal(flat.view(torch.int32), original.view(torch.int32))
-    payloads = {(j, k): group.encode_piece(j, k) for j, k in everything}
+    payloads = {(j, k): group.encode_piece(j, k) for j, k in everything}  # the next attempt
+    assert torch.equal(flat.view(torch.int32), original.view(torch.int32))
     for (j, k), payload in payloads.items():
         start, end = group.pieces[j][k]
         assert payload == codec.encode(original[start:end])  # what the owner gets
-        assert group.contribution(j, k) == payload  # what an auditor gets: flat holds the residual now
-        sent = codec.decode(payload, end - start)
-        assert torch.equal(flat[start:end], original[start:end] - sent)  # the next residual
+        assert group.contribution(j, k) == payload  # what an auditor gets
     for k in range(len(group.pieces[group.index])):
         assert group.own_input(k) == payloads[(group.index, k)]  # decoded when its piece is averaged
-    group.restore()
-    assert torch.equal(flat.view(torch.int32), original.view(torch.int32))
-    for j, k in everything:  # again, and this time the round commits
-        group.encode_piece(j, k)
-    residual = flat.clone()
     average = torch.randn(3001)
     for j, part in enumerate(group.pieces):
         for k, (start, end) in enumerate(part):
             group.place_piece(j, k, codec.encode(average[start:end]))
+    group.write_residual()  # the round committed
+    for (j, k), payload in payloads.items():
+        start, end = group.pieces[j][k]
+        assert torch.equal(flat[start:end], original[start:end] - codec.decode(payload, end - start))
+    residual = flat.clone()
     like = [torch.empty(10, 30), torch.empty(0), torch.empty(1500), torch.empty(1201)]
     avg = group.committed_average(like)
     expected = torch.cat([codec.decode(codec.encode(average[s:e]), e - s) for part in group.pieces for s, e in part])

@@ -494,11 +494,11 @@ async def test_an_outsider_gets_no_round_or_state_service_from_a_closed_swarm():
         await member.close()
 
 
-async def test_an_aborted_attempt_gives_back_a_donated_vector_that_error_feedback_overwrote():
-    # int8 with error feedback, donated vectors (as a node runs): each member writes the next
-    # residual over its vector as it encodes its pieces, so the attempt the altered slice spoils
-    # must put every encoded piece back (``Group.restore``). The retry without the owner then sends
-    # what a first attempt would, and leaves exactly what the codec dropped of it.
+async def test_an_aborted_attempt_leaves_a_donated_vector_and_the_commit_writes_the_residual():
+    # int8 with error feedback, donated vectors (as a node runs): the round works on error
+    # feedback's vector itself, so the attempt the altered slice spoils must leave it as it was
+    # (``Group.in_place``). The retry without the owner then sends what a first attempt would,
+    # and its commit leaves exactly what the codec dropped of it.
     peers = sorted(await start_peers(3, min_peers=3, codec="int8", **STEADY), key=lambda p: p[0].peer_id)
     try:
         rounds = [r for _, r, _ in peers]
