@@ -239,11 +239,11 @@ class Node:
         # A member's weight counts at most twice the round-token budget, or (no budget) twice the
         # members' median weight (p2p/group.py capped_weights).
         weight_cap = 2.0 * cfg.inner.round_tokens
-        self.worker = await self._start_worker(corpus, device)
+        self.worker = await self._start_worker(corpus, device, checkpoint)
         # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.
         rules = f"agg={cfg.swarm.aggregator},cap={int(weight_cap) if weight_cap else 'relative'}"
         fingerprint = await self.compute(self.worker.fingerprint, cfg.swarm.codec, rules)
-        genesis = await self.compute(self.worker.params_hash)
+        genesis = self.worker.init_hash  # θ as built, before any checkpoint was loaded
         if checkpoint is not None and checkpoint.get("fingerprint") not in (None, fingerprint.parts):
             raise UsageError(f"node.checkpoint_dir: holds a checkpoint of another run: "
                              f"{fingerprint.difference(checkpoint['fingerprint'])}")
@@ -267,7 +267,8 @@ class Node:
                                   metrics=self.metrics, status=self.status, inner_steps=cfg.inner.steps,
                                   max_rounds=cfg.node.max_rounds, on_commit=self.after_commit)
         if checkpoint is not None:
-            self.worker.load_state_dict(checkpoint["worker"])
+            if self.ranks is None:  # a multi-rank host's ranks loaded theirs together (_start_worker)
+                self.worker.load_state_dict(checkpoint["worker"])
             self.loop_.round_step = int(checkpoint.get("round_step", 0))
             numel = sum(p.numel() for p in self.worker.global_params)
             feedback = rounds.ensure_feedback(numel)
@@ -296,9 +297,10 @@ class Node:
             self._checkpoint_seq = pointer["seq"]
         return load_host_part(cfg.node.checkpoint_dir, 0, world)
 
-    async def _start_worker(self, corpus, device: str):
+    async def _start_worker(self, corpus, device: str, checkpoint: dict | None = None):
         """This host's worker: the model in this process, or (a multi-rank host) rank 0's shard of
-        it with the other ranks' behind it (node/ranks.py)."""
+        it with the other ranks' behind it (node/ranks.py), each rank's part of ``checkpoint``
+        loaded as the others load theirs (with DDP a load ends in a collective of every rank)."""
         from trainer.diloco import DiLoCoWorker
 
         cfg = self.config
@@ -317,8 +319,14 @@ class Node:
 
         def build():
             ranks = init_ranks(cfg.host.parallel, device)
-            return DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
-                                shard_key=self.swarm.peer_id, seed=cfg.node.seed, ranks=ranks)
+            worker = DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
+                                  shard_key=self.swarm.peer_id, seed=cfg.node.seed, ranks=ranks)
+            if checkpoint is not None:  # (init_hash stays θ as built: the run's fingerprint)
+                try:
+                    worker.load_state_dict(checkpoint["worker"])
+                except ValueError as e:
+                    raise ValueError(f"node.checkpoint_dir: {e}") from None
+            return worker
 
         local = await self.compute(build)
         replies = await setup
@@ -403,6 +411,8 @@ class Node:
 
         started = time.monotonic()
         feedback = self.loop_.rounds.feedback
+        # An average that has not landed lands first, on every rank at once (node/ranks.py).
+        await asyncio.to_thread(self.worker.land)
         # The worker's state is copies of every tensor: taken off the event loop (under the
         # worker's lock, so an outer step in flight is in it entirely or not at all).
         worker_state = await asyncio.to_thread(self.worker.state_dict)

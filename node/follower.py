@@ -284,6 +284,10 @@ class RankFollower:
         await self.compute(self.worker.start_overlapped, own)
         return {}
 
+    async def _op_land(self, h: dict) -> dict:
+        await asyncio.to_thread(self.worker.land)
+        return {}
+
     async def _op_reset_local(self, h: dict) -> dict:
         await self.compute(self.worker.reset_local)
         return {}

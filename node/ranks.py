@@ -260,6 +260,13 @@ class HostWorker:
         self.local.start_overlapped(own_delta)
         pending.result()
 
+    def land(self) -> None:
+        """Every rank lands a committed average now, together (under DDP a collective: one rank
+        landing alone, as its checkpoint's ``state_dict`` would, waits for the others forever)."""
+        pending = self.ranks.submit("land")
+        self.local.land()
+        pending.result()
+
     def reset_local(self) -> None:
         pending = self.ranks.submit("reset_local")
         self.local.reset_local()
@@ -304,6 +311,11 @@ class HostWorker:
             log.warning("a rank could not download its shard: %s", e)
             await self.ranks.request("drop_fetched")
             return False
-        self._took(await self.ranks.request("load_fetched"))
-        await compute(self.local.load_global_state, state)
+        # Every rank loads at once: with DDP a load ends in a collective of every rank.
+        others = asyncio.ensure_future(self.ranks.request("load_fetched"))
+        try:
+            await compute(self.local.load_global_state, state)
+        finally:
+            await asyncio.gather(others, return_exceptions=True)
+        self._took(others.result())
         return self.params_hash() == snap.params_hash

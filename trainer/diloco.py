@@ -328,6 +328,11 @@ class DiLoCoWorker:
         if reset_local:
             self.reset_local()
 
+    def land(self) -> None:
+        """A committed average that has not landed in the local copy yet lands now (before a
+        checkpoint; on a DDP rank a collective, as every landing is)."""
+        self._rebase_if_due()
+
     @torch.no_grad()
     def _rebase_if_due(self) -> None:
         if not self._rebase_due:

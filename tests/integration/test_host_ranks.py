@@ -155,30 +155,54 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
         wait_until(lambda: not any(alive(p) for p in n.known_children), 30, f"{n.name}'s ranks and p2pd to be gone")
 
 
-def test_two_hosts_of_two_ddp_ranks_train_on_one_hash(nodes, tmp_path):
+def test_two_hosts_of_two_ddp_ranks_train_restart_and_take_a_joiner_on_one_hash(nodes, tmp_path):
     """--parallel ddp: every rank a whole replica, each syncing FSDP2's rows of it; the hosts
-    commit the same rounds on one params_hash and stop by themselves at --max-rounds. With int8
-    and error feedback, as a host of a large model runs: each rank's round works in place over
-    its residual's vector (p2p/group.py, Group.in_place). Eager overlap: every rank trains the
-    next round while its shard is averaged, and all ranks land the average at one step."""
-    ddp = [*HOST, "--parallel", "ddp", "--min-peers", "2", "--max-rounds", "2", "--set", "swarm.codec=int8",
-           "--overlap", "eager"]
+    commit the same rounds on one params_hash. With int8 and error feedback, as a host of a
+    large model runs: each rank's round works in place over its residual's vector (p2p/group.py,
+    Group.in_place). Eager overlap: every rank trains the next round while its shard is
+    averaged, and all ranks land the average at one step. Whatever loads a state or lands an
+    average into a DDP replica ends in a collective of every rank, which the ranks reach
+    together: a host restarted from its sharded checkpoint, a host that joins and downloads the
+    state, checkpoints taken with an average still to land."""
+    ckpt = tmp_path / "b-ckpt"
+    ddp = [*HOST, "--parallel", "ddp", "--min-peers", "2", "--set", "swarm.codec=int8", "--overlap", "eager"]
+    b_args = [*ddp, "--checkpoint-dir", str(ckpt), "--identity", str(tmp_path / "b.key")]
     a = nodes("a", *ddp)
-    b = nodes("b", *ddp, "--checkpoint-dir", str(tmp_path / "b-ckpt"), "--bootstrap", a.address())
+    b = nodes("b", *b_args, "--bootstrap", a.address())
     for n in (a, b):
-        n.wait_round(1, timeout=240)
+        n.wait_round(2, timeout=240)
         assert sorted(rank_pids(n)) == [0, 1]
-    for n in (a, b):
-        assert n.wait_exit(120) == 0, n.log()[-3000:]
-        wait_until(lambda: not any(alive(p) for p in n.known_children), 30, f"{n.name}'s ranks and p2pd to be gone")
-    ra, rb = a.rounds(), b.rounds()
-    assert 2 in ra and 2 in rb and ra[2] == rb[2], (ra, rb)
     assert "members=2" in a.log() and "layout=ddpx2" in a.log()
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait_exit(90) == 0, b.log()[-3000:]
+    wait_until(lambda: not any(alive(p) for p in b.known_children), 30, "b's ranks and p2pd to be gone")
+    stopped_at = max(b.rounds())
     # Each rank's checkpoint part holds its own rows of θ: the export joins them into the model.
-    parts = host_parts(tmp_path / "b-ckpt")
+    parts = host_parts(ckpt)
     assert [p.name for p in parts] == ["rank0.pt", "rank1.pt"], parts
     out = tmp_path / "export"
-    done = subprocess.run([str(BIN), "export", "--checkpoint-dir", str(tmp_path / "b-ckpt"), "--out", str(out),
-                           "--dtype", "fp32"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([str(BIN), "export", "--checkpoint-dir", str(ckpt), "--out", str(out), "--dtype", "fp32"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     check_export(out, parts)
+
+    # b resumes from its checkpoint (every rank loads its part at once) and c joins: each of its
+    # ranks downloads its shard, and all load them at once.
+    b2 = nodes("b2", *b_args, "--bootstrap", a.address())
+    c = nodes("c", *ddp, "--bootstrap", a.address())
+    wait_until(lambda: "resynced round=" in c.log() or c.proc.poll() is not None, 180, "c to download the state")
+    for n in (b2, c):
+        wait_until(lambda: "members=3" in n.log() or n.proc.poll() is not None, 180, f"{n.name} to commit with all")
+        assert n.proc.poll() is None, n.log()[-3000:]
+    assert f"resumed from {ckpt} at round {stopped_at}" in b2.log(), b2.log()[-3000:]
+    for n in (a, b2, c):
+        rank_pids(n)
+        n.proc.send_signal(signal.SIGTERM)
+    for n in (a, b2, c):
+        assert n.wait_exit(90) == 0, n.log()[-3000:]
+        wait_until(lambda: not any(alive(p) for p in n.known_children), 30, f"{n.name}'s ranks and p2pd to be gone")
+    by_round: dict[int, set[str]] = {}
+    for n in (a, b, b2, c):
+        for r, h in n.rounds().items():
+            by_round.setdefault(r, set()).add(h)
+    assert all(len(hashes) == 1 for hashes in by_round.values()), by_round
