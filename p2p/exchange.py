@@ -110,8 +110,8 @@ class PartExchange:
     async def _contribute_own(self, group: Group) -> None:
         """Our own slice of our part: encoded like everyone's, so we average what we send."""
         for k in range(len(group.pieces[group.index])):
-            await off_loop(group.encode_piece, group.index, k)
-            await self._add_piece(group, group.index, k, await off_loop(group.own_input, k))
+            payload = await off_loop(group.encode_piece, group.index, k)
+            await self._add_piece(group, group.index, k, await off_loop(group.own_input, k, payload))
 
     async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor | bytes) -> None:
         """Store a piece of our part; the contribution that completes piece k averages it."""

@@ -290,12 +290,12 @@ class Group:
             self._input_hashes[k][self.index] = input_hash(payload)
         return payload
 
-    def own_input(self, k: int) -> torch.Tensor | bytes:
+    def own_input(self, k: int, payload: bytes | None = None) -> torch.Tensor | bytes:
         """Our input to the average of piece ``k`` of our own part (encoded already): what every
-        receiver decodes of our contribution, as values or, in place, as its payload (encoded
-        again: the bytes we sent, as ``contribution``)."""
+        receiver decodes of our contribution, as values or, in place, as its payload (``payload``,
+        what ``encode_piece`` just gave for it, or encoded again as ``contribution`` does)."""
         if self.in_place:
-            return self.contribution(self.index, k)
+            return payload if payload is not None else self.contribution(self.index, k)
         start, end = self.pieces[self.index][k]
         return self.sent_values(start, end)
 
