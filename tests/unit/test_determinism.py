@@ -1,87 +1,20 @@
 """Bits that must not depend on the CPU: seeded_normal_, the part owner's average and its robust
 aggregators (norms included), compared across child processes run under each ATEN_CPU_CAPABILITY
-this CPU has; and seeded_normal_'s distribution, stream and arguments in-process.
+this CPU has (tests/unit/capabilities.py); and seeded_normal_'s distribution, stream and arguments
+in-process."""
 
-``hashes_by_capability`` is shared with test_outer.py."""
-
-import functools
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.unit.capabilities import assert_same_everywhere, by_capability, section
 from trainer import determinism
 from trainer.determinism import seeded_normal_
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[2]
-CHILD_TIMEOUT_S = 90.0
-# The capabilities torch can be told to use on a CPU whose best one is the key, weakest first.
-LADDERS = {"default": ("default",), "avx2": ("default", "avx2"), "avx512": ("default", "avx2", "avx512")}
-
-
-def _run_child(script: str, env: dict[str, str]) -> str:
-    """stdout of ``python -c script``; the child (and anything it started) dies with the test."""
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, f"child failed under {env.get('ATEN_CPU_CAPABILITY')}:\n{stderr[-3000:]}"
-    return stdout
-
-
-def _child_env(capability: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["GONKA_NATIVE"] = "0"  # no C build in a child; the kernels do not follow ATEN_CPU_CAPABILITY anyway
-    if capability is not None:
-        env["ATEN_CPU_CAPABILITY"] = capability
-    return env
-
-
-@functools.lru_cache(maxsize=None)
-def capabilities() -> tuple[str, ...]:
-    """'default' up to the capability torch picks on this CPU by itself (asking for more than the
-    CPU has would crash the child with an illegal instruction)."""
-    script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-    best = _run_child(script, _child_env(None)).strip().lower()
-    return LADDERS.get(best, ("default", best))
-
-
-def hashes_by_capability(script: str) -> dict[str, dict]:
-    """The JSON object the last line of ``script``'s output holds, per capability; skips the test
-    where the CPU has only one."""
-    caps = capabilities()
-    if len(caps) < 2:
-        pytest.skip(f"this CPU runs only ATEN_CPU_CAPABILITY={caps[0]}: nothing to compare")
-    # The alarm ends a child that outlives its test (as it would if pytest itself were killed).
-    prologue = (f"import os, signal, torch\nsignal.alarm({int(CHILD_TIMEOUT_S) + 30})\n"
-                "assert torch.backends.cpu.get_cpu_capability().lower() == os.environ['ATEN_CPU_CAPABILITY']\n")
-    return {cap: json.loads(_run_child(prologue + script, _child_env(cap)).splitlines()[-1]) for cap in caps}
-
-
-def assert_same_everywhere(results: dict[str, dict], prefix: str = "") -> None:
-    """Every capability's values equal the first one's (those whose keys start with ``prefix``)."""
-    results = {cap: {k: v for k, v in got.items() if k.startswith(prefix)} for cap, got in results.items()}
-    (first, expected), *rest = results.items()
-    assert expected, f"no values named {prefix}*"
-    for cap, got in rest:
-        differ = sorted(k for k in expected if got.get(k) != expected[k])
-        assert not differ, f"{cap} differs from {first} in {differ}"
-
-
-CHILD = r"""
+CHILD = section("determinism", r"""
 import hashlib, json
 import torch
 from p2p.codecs import FP4Codec, Int4Codec, Int8Codec, get_codec
@@ -124,13 +57,12 @@ for aggregator in ("clip", "centered_clip"):
 for i, (_, x) in enumerate(honest):
     out[f"robust_norm_{i}"] = norm(x).hex()
 out["robust_norm_huge"] = norm(hostile[-1][1]).hex()
-print(json.dumps(out))
-"""
+""")
 
 
 @pytest.fixture(scope="module")
 def child_hashes():
-    return hashes_by_capability(CHILD)
+    return by_capability(CHILD)
 
 
 def test_seeded_normal_has_the_same_bits_under_every_cpu_capability(child_hashes):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.hf_models import build_model_dir
+from tests.unit.capabilities import assert_same_everywhere, by_capability, section
 from trainer.config import ModelConfig
 from trainer.model import PRESETS, check_source, decode, encode, lm_loss, load_model, preset_config
 
@@ -149,23 +150,28 @@ def test_no_hub_access(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "Qwen")
 
 
-@pytest.mark.timeout(300)
-def test_random_init_has_the_same_bits_on_every_cpu_kind(tmp_path):
-    from tests.unit.test_determinism import assert_same_everywhere, hashes_by_capability
+INIT_CHILD = section("model_init", r"""
+import hashlib, tempfile
+from tests.hf_models import build_model_dir
+from tests.unit.capabilities import assert_same_everywhere, by_capability, section
+from trainer.config import ModelConfig
+from trainer.model import load_model
 
-    path = build_model_dir(tmp_path / "m", "llama", weights=False)
-    script = (
-        "import json, hashlib\n"
-        "from trainer.config import ModelConfig\nfrom trainer.model import load_model\n"
-        "out = {}\n"
-        f"for name, source in (('tiny', 'tiny'), ('llama', 'hf:{path}')):\n"
-        "    m = load_model(ModelConfig(source=source, init='random'), 5).module\n"
-        "    h = hashlib.blake2b(digest_size=16)\n"
-        "    for p in m.parameters(): h.update(p.detach().numpy().tobytes())\n"
-        "    out[name] = h.hexdigest()\n"
-        "print(json.dumps(out))\n"
-    )
-    assert_same_everywhere(hashes_by_capability(script))
+out = {}
+with tempfile.TemporaryDirectory() as tmp:
+    path = build_model_dir(tmp + "/m", "llama", weights=False)
+    for name, source in (("tiny", "tiny"), ("llama", "hf:" + path)):
+        m = load_model(ModelConfig(source=source, init="random"), 5).module
+        h = hashlib.blake2b(digest_size=16)
+        for p in m.parameters():
+            h.update(p.detach().numpy().tobytes())
+        out[name] = h.hexdigest()
+""")
+
+
+@pytest.mark.timeout(300)
+def test_random_init_has_the_same_bits_on_every_cpu_kind():
+    assert_same_everywhere(by_capability(INIT_CHILD))
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

@@ -14,7 +14,7 @@ from trainer.diloco import DiLoCoWorker, run_round
 from trainer.outer import OuterOptimizer
 from trainer.simulator import Simulator
 
-from tests.unit.test_determinism import assert_same_everywhere, hashes_by_capability
+from tests.unit.capabilities import assert_same_everywhere, by_capability, section
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,7 @@ def test_preview_is_the_next_step_and_changes_nothing(name):
         opt.preview([torch.zeros(2)])
 
 
-OUTER_CHILD = r"""
+OUTER_CHILD = section("outer", r"""
 import hashlib, json
 import torch
 from tests.unit.test_outer import OUTER_CONFIGS, outer_inputs
@@ -225,13 +225,12 @@ for name, cfg in OUTER_CONFIGS.items():
             p.grad = d.clone()
         sgd.step()
     out[f"torch_sgd_{name}"] = digest(p.detach() for p in ref)
-print(json.dumps(out))
-"""
+""")
 
 
 @pytest.mark.timeout(240)
 def test_outer_step_has_the_same_bits_under_every_cpu_capability():
-    results = hashes_by_capability(OUTER_CHILD)
+    results = by_capability(OUTER_CHILD)
     assert_same_everywhere(results, "ours_")  # not torch_sgd_*: its vectorized kernels fuse lr * g
     if platform.machine().lower() in ("x86_64", "amd64"):
         # x86's scalar kernels round every product: torch's SGD there is this step, bit for bit.

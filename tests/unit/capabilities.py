@@ -1,0 +1,103 @@
+"""Bits compared across CPU capabilities: scripts run in child processes, one per
+ATEN_CPU_CAPABILITY this CPU has, and their values compared.
+
+Test modules register a script with ``section(name, script)`` when they are imported (the
+script fills a dict ``out`` with named values); the first test that asks for results runs every
+section registered by then in one child per capability, so the suite pays torch's start-up once
+per capability rather than once per test module."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD_TIMEOUT_S = 150.0
+# The capabilities torch can be told to use on a CPU whose best one is the key, weakest first.
+LADDERS = {"default": ("default",), "avx2": ("default", "avx2"), "avx512": ("default", "avx2", "avx512")}
+
+_sections: dict[str, str] = {}
+_results: dict[str, dict[str, dict]] = {}  # section -> capability -> values
+
+
+def section(name: str, script: str) -> str:
+    """Register ``script`` (it leaves its values in a dict named ``out``) under ``name``."""
+    assert _sections.get(name, script) == script, f"two scripts named {name}"
+    _sections[name] = script
+    return name
+
+
+def _run_child(script: str, env: dict[str, str]) -> str:
+    """stdout of ``python -c script``; the child (and anything it started) dies with the test."""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, f"child failed under {env.get('ATEN_CPU_CAPABILITY')}:\n{stderr[-3000:]}"
+    return stdout
+
+
+def _child_env(capability: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["GONKA_NATIVE"] = "0"  # no C build in a child; the kernels do not follow ATEN_CPU_CAPABILITY anyway
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    return env
+
+
+@functools.lru_cache(maxsize=None)
+def capabilities() -> tuple[str, ...]:
+    """'default' up to the capability torch picks on this CPU by itself (asking for more than the
+    CPU has would crash the child with an illegal instruction)."""
+    script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    best = _run_child(script, _child_env(None)).strip().lower()
+    return LADDERS.get(best, ("default", best))
+
+
+def _child_script(names: list[str]) -> str:
+    # The alarm ends a child that outlives its test (as it would if pytest itself were killed).
+    lines = [f"import json, os, signal, torch\nsignal.alarm({int(CHILD_TIMEOUT_S) + 30})",
+             "assert torch.backends.cpu.get_cpu_capability().lower() == os.environ['ATEN_CPU_CAPABILITY']",
+             "results = {}"]
+    for name in names:
+        lines += [f"scope = {{'__name__': {name!r}}}",
+                  f"exec(compile({_sections[name]!r}, {name!r}, 'exec'), scope)",
+                  f"results[{name!r}] = scope['out']"]
+    lines.append("print(json.dumps(results))")
+    return "\n".join(lines) + "\n"
+
+
+def by_capability(name: str) -> dict[str, dict]:
+    """Section ``name``'s values per capability; skips the test where the CPU has only one."""
+    caps = capabilities()
+    if len(caps) < 2:
+        pytest.skip(f"this CPU runs only ATEN_CPU_CAPABILITY={caps[0]}: nothing to compare")
+    if name not in _results:
+        pending = [n for n in _sections if n not in _results]
+        script = _child_script(pending)
+        by_cap = {cap: json.loads(_run_child(script, _child_env(cap)).splitlines()[-1]) for cap in caps}
+        for n in pending:
+            _results[n] = {cap: by_cap[cap][n] for cap in caps}
+    return _results[name]
+
+
+def assert_same_everywhere(values: dict[str, dict], prefix: str = "") -> None:
+    """Every capability's values equal the first one's (those whose keys start with ``prefix``)."""
+    values = {cap: {k: v for k, v in got.items() if k.startswith(prefix)} for cap, got in values.items()}
+    (first, expected), *rest = values.items()
+    assert expected, f"no values named {prefix}*"
+    for cap, got in rest:
+        differ = sorted(k for k in expected if got.get(k) != expected[k])
+        assert not differ, f"{cap} differs from {first} in {differ}"
