@@ -119,6 +119,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--error-feedback", action="store_true",
                        help="gonka-node: keep error feedback on for lossy codecs, as a node does by default "
                             "(default off: every repeat syncs the same vector)")
+    group.add_argument("--pin", action="store_true",
+                       help="give peer i (and its p2pd) CPU i mod the CPUs this process may use, as on hosts that do "
+                            "not share cores (default: peers share every CPU)")
     group.add_argument("--peer-timeout", type=float,
                        help="seconds each peer process may live (default: from the size, rate and repeats)")
 
@@ -193,8 +196,13 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
                         "--run-tag", f"{os.getpid()}{tag}", "--timeout", timeout]
                 if args.error_feedback:
                     argv.append("--error-feedback")
+                pin = {}
+                if args.pin:  # inherited by everything the peer starts (p2pd, threads)
+                    cpus = sorted(os.sched_getaffinity(0))
+                    cpu = cpus[i % len(cpus)]
+                    pin["preexec_fn"] = lambda cpu=cpu: os.sched_setaffinity(0, {cpu})
                 with open(log, "wb") as f:
-                    procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, env=env))
+                    procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, env=env, **pin))
                 logs.append(log)
             deadline = time.monotonic() + timeout + EXIT_SLACK
             pending = set(range(args.peers))
@@ -333,11 +341,12 @@ def run(args: argparse.Namespace) -> dict:
             notes.append(f"{system}/{codec}: relative error {row['rel_error']:.3g} above tolerance "
                          f"{TOLERANCE.get(codec)}")
     png = args.out / "allreduce.png"
-    plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each "
+    plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each"
+                    f"{', one CPU each' if args.pin else ''} "
                     f"(TCP {args.congestion}{', error feedback' if args.error_feedback else ''})")
     notes.append(f"plot: {png}")
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "plot": str(png),
-            "config": {"peers": args.peers, "rate": args.rate, "congestion": args.congestion,
+            "config": {"peers": args.peers, "pin": args.pin, "rate": args.rate, "congestion": args.congestion,
                        "error_feedback": args.error_feedback, "params": args.params,
                        "repeats": args.repeats, "warmup": args.warmup, "peer_timeout": timeout, "tolerance": TOLERANCE},
             "load_average": os.getloadavg(), "peers_raw": raw}
