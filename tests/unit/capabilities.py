@@ -68,13 +68,16 @@ def capabilities() -> tuple[str, ...]:
 
 def _child_script(names: list[str]) -> str:
     # The alarm ends a child that outlives its test (as it would if pytest itself were killed).
-    lines = [f"import json, os, signal, torch\nsignal.alarm({int(CHILD_TIMEOUT_S) + 30})",
+    lines = [f"import json, os, signal, traceback, torch\nsignal.alarm({int(CHILD_TIMEOUT_S) + 30})",
              "assert torch.backends.cpu.get_cpu_capability().lower() == os.environ['ATEN_CPU_CAPABILITY']",
              "results = {}"]
-    for name in names:
+    for name in names:  # a section that fails fails its own tests, not the others'
         lines += [f"scope = {{'__name__': {name!r}}}",
-                  f"exec(compile({_sections[name]!r}, {name!r}, 'exec'), scope)",
-                  f"results[{name!r}] = scope['out']"]
+                  "try:",
+                  f"    exec(compile({_sections[name]!r}, {name!r}, 'exec'), scope)",
+                  f"    results[{name!r}] = scope['out']",
+                  "except Exception:",
+                  f"    results[{name!r}] = {{'__error__': traceback.format_exc()}}"]
     lines.append("print(json.dumps(results))")
     return "\n".join(lines) + "\n"
 
@@ -90,6 +93,8 @@ def by_capability(name: str) -> dict[str, dict]:
         by_cap = {cap: json.loads(_run_child(script, _child_env(cap)).splitlines()[-1]) for cap in caps}
         for n in pending:
             _results[n] = {cap: by_cap[cap][n] for cap in caps}
+    for cap, values in _results[name].items():
+        assert "__error__" not in values, f"section {name} failed under {cap}:\n{values['__error__'][-3000:]}"
     return _results[name]
 
 
