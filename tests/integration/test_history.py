@@ -8,9 +8,22 @@ import subprocess
 import pytest
 
 from node import history
-from tests.integration.nodes import BIN, wait_until
+from tests.integration.nodes import BIN, COMMITTED, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def failed_rounds(node) -> list[int]:
+    """The rounds whose checkpoint failed: a node checkpoints a round after logging its commit and
+    before it trains the next, so a failure belongs to the last commit logged before it."""
+    rounds, last = [], None
+    for line in node.log().splitlines():
+        m = COMMITTED.search(line)
+        if m:
+            last = int(m.group(2))
+        elif "checkpoint failed, the previous one stays in use" in line and last is not None:
+            rounds.append(last)
+    return rounds
 
 
 def test_a_node_writes_one_line_per_committed_round_and_plot_draws_them(nodes, tmp_path):
@@ -23,9 +36,11 @@ def test_a_node_writes_one_line_per_committed_round_and_plot_draws_them(nodes, t
     node.wait_round(2, timeout=90)
     shutil.move(ckpt, tmp_path / "saved")
     ckpt.write_text("not a directory")
-    wait_until(lambda: "checkpoint failed, the previous one stays in use" in node.log(), 90, "a failed checkpoint")
-    failed_at = max(node.rounds())
-    node.wait_round(failed_at + 1, timeout=90)  # training went on
+    failed = wait_until(lambda: failed_rounds(node), 90, "a failed checkpoint")
+    failed_at = failed[0]
+    # Training went on, and the next round's checkpoint failed too: its history line (written just
+    # before its checkpoint) was refused while the directory was gone.
+    wait_until(lambda: failed_at + 1 in failed_rounds(node), 90, "the next round's checkpoint to fail")
     ckpt.unlink()
     shutil.move(tmp_path / "saved", ckpt)
     restored_at = max(node.rounds())
