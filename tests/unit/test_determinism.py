@@ -15,7 +15,7 @@ from trainer.determinism import seeded_normal_
 pytestmark = pytest.mark.timeout(240)
 
 CHILD = section("determinism", r"""
-import hashlib, json
+import hashlib
 import torch
 from p2p.codecs import FP4Codec, Int4Codec, Int8Codec, get_codec
 from p2p.aggregate import norm

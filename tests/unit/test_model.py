@@ -153,7 +153,6 @@ def test_no_hub_access(tmp_path, monkeypatch):
 INIT_CHILD = section("model_init", r"""
 import hashlib, tempfile
 from tests.hf_models import build_model_dir
-from tests.unit.capabilities import assert_same_everywhere, by_capability, section
 from trainer.config import ModelConfig
 from trainer.model import load_model
 

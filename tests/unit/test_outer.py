@@ -199,7 +199,7 @@ def test_preview_is_the_next_step_and_changes_nothing(name):
 
 
 OUTER_CHILD = section("outer", r"""
-import hashlib, json
+import hashlib
 import torch
 from tests.unit.test_outer import OUTER_CONFIGS, outer_inputs
 from trainer.outer import OuterOptimizer
