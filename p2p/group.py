@@ -283,7 +283,7 @@ class Group:
 
     def _encode_in_place(self, index: int, k: int, values: torch.Tensor) -> bytes:
         try:
-            payload = self.codec.encode(values, _decode_scratch(values.numel()))
+            payload = self.codec.encode(values)  # nothing decoded: only a commit writes the residual
         except CodecError as e:
             raise RoundFailed(e.reason) from None
         if index == self.index:
