@@ -18,7 +18,7 @@ from p2p.group import counted_tokens
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
-from p2p.transfer import Snapshot, StateDownload, StateServer
+from p2p.transfer import NoChain, Snapshot, StateDownload, StateServer
 from trainer.diloco import DiLoCoWorker
 
 log = logging.getLogger("gonka.node")
@@ -296,8 +296,9 @@ class TrainingLoop:
         """Replace our global state with the swarm's; local progress of this round is dropped.
 
         Candidates come best first; each must show a certificate chain from a state we trust
-        before a byte of it is downloaded. Holders of a state that has none get a strike
-        (p2p/quarantine.py): a peer that keeps announcing one is soon ignored."""
+        before a byte of it is downloaded. A donor that sends a certificate no honest peer
+        holds gets a strike (p2p/quarantine.py); a chain that only lacks links does not: honest
+        peers lack their newest certificate for a moment (``StateDownload.fetch_chain``)."""
         commits = self.rounds.commits
         for attempt in range(3):
             why, candidates = self.decide(await self.swarm.refresh_peers())
@@ -311,10 +312,10 @@ class TrainingLoop:
             for round, params_hash, donors in candidates:
                 try:
                     chain = await download.fetch_chain(round, params_hash, donors, commits)
-                except RuntimeError as e:
+                except NoChain as e:
                     log.warning("not following round %d (%s): %s", round, params_hash[:12], e)
                     self.metrics.state_downloads.labels(result="uncertified").inc()
-                    for donor in donors:
+                    for donor in e.liars:
                         self.rounds.offence(donor, "uncertified_state")
                     continue
                 try:

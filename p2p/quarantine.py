@@ -4,7 +4,7 @@ Two kinds of offence. A *lie* — input no honest peer sends (a malformed or
 non-finite piece, an impossible or capped weight, an owner's slice that an
 audit recomputed differently, a misreported input) — quarantines the peer at
 once. A *fault* — it aborted a round, refused a group, led a round it never
-started while we saw a quorum ready, announced a state without certificates,
+started while we saw a quorum ready, served a certificate whose signature fails,
 or had more streams open to us than it may — could be bad luck, so it is a
 strike, and ``strikes`` of them within the quarantine period quarantine it. One
 pattern of faults is not bad luck: starting the aborts of two attempts in a row,

@@ -230,6 +230,10 @@ class RoundProtocol:
         faults.checkpoint("grouped", round + 1, len(group.members))
         try:
             await self._allreduce(group)
+            # Committed. Known to signing before the group is left: a faster member's signature
+            # may arrive while we still write the residual or end the round on our ranks, and
+            # it must find the group then (after leaving, nothing else names it).
+            self.signing.committed(group.id, group.members, round + 1)
         except (RoundFailed, asyncio.CancelledError) as e:
             reason = e.reason if isinstance(e, RoundFailed) else "stopping"
             await asyncio.shield(self._broadcast_abort(group, reason))
@@ -256,7 +260,6 @@ class RoundProtocol:
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds,
                                  blamed)
-        self.signing.committed(group.id, group.members, round + 1)
         faults.checkpoint("commit", round + 1, len(group.members))
         # Donated: over our contribution, which nobody needs now (the vector holds the average
         # from here on: given again, it is a new round's input). Otherwise ``flat`` is the

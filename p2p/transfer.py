@@ -41,6 +41,8 @@ from p2p.wire import (MAX_PAYLOAD_BYTES, SMALL_HEADER_BYTES, WireError, close_wr
 
 log = logging.getLogger(__name__)
 
+CERT_WAIT_SECONDS = 3.0  # how long a chain missing only its newest certificate is asked for again
+CERT_POLL_SECONDS = 0.25
 DIGEST_BYTES = 16  # blake2b-128 of the whole blob and of each chunk
 MAX_SHARDS = 1024  # ranks of one host (host.nproc_per_node's bound)
 
@@ -256,6 +258,17 @@ class ShardStateServer:
             raise WireError("bad_op")
 
 
+class NoChain(RuntimeError):
+    """No donor showed a certificate chain to the state; ``liars``: the donors that sent a
+    certificate no honest peer holds (a signature that does not verify). A chain that is only
+    missing links proves nothing: honest peers lack the newest certificate for a moment, and
+    one they never completed (a member's signature lost)."""
+
+    def __init__(self, message: str, liars: list[str]) -> None:
+        super().__init__(message)
+        self.liars = liars
+
+
 class StateDownload:
     """Fetch one snapshot from several donors in parallel; see the module docstring."""
 
@@ -310,35 +323,54 @@ class StateDownload:
     async def fetch_chain(self, round: int, params_hash: str, donors: list[str], commits: CommitLog,
                           admits=lambda peer: True) -> list[CommitCertificate]:
         """The certificates that lead from a state ``commits`` trusts to (round, params_hash), from
-        the first donor that has a valid chain; RuntimeError if none has."""
-        reasons = []
+        the first donor that has a valid chain; ``NoChain`` if none has.
+
+        An honest donor holds the newest round's certificate only once the other members'
+        signatures reached it, a moment after it announced the round: a chain that is whole
+        but for that last certificate is asked for again for up to ``CERT_WAIT_SECONDS``."""
+        reasons, liars = [], []
         for donor in donors:
             # Most of the time the chain from just below our own round is enough; else all of it.
             starts = sorted({max(0, min(round, max(commits.trusted)) - 16), 0}, reverse=True)
             chain: dict[int, CommitCertificate] = {}
             for after in starts:
                 try:
-                    while True:
-                        reply, payload = await self._request(donor, {"op": "certs", "after": after},
-                                                             max_payload=MAX_PAYLOAD_BYTES)
-                        certs = decode_certs(payload)
-                        chain.update((c.round, c) for c in certs if c.round <= round)
-                        if not certs or certs[-1].round >= round:
-                            break
-                        after = certs[-1].round
-                except ValueError as e:
+                    why = await self._chain_from(donor, after, round, params_hash, chain, commits, admits)
+                except ValueError as e:  # a signature that does not verify: no honest peer serves one
                     self.reject("bad_certificate", f"from {donor[-8:]}")
                     reasons.append(f"{donor[-8:]}: {e}")
+                    liars.append(donor)
                     break
                 except Exception as e:
                     reasons.append(f"{donor[-8:]}: {e!r}"[:80])
                     break
-                ok, why = verify_chain(list(chain.values()), commits.trusted, (round, params_hash),
-                                       scope=commits.scope, admits=admits)
-                if ok:
+                if not why:
                     return sorted(chain.values(), key=lambda c: c.round)
                 reasons.append(f"{donor[-8:]}: {why}")
-        raise RuntimeError(f"no certificate chain to round {round} ({params_hash[:12]}): {'; '.join(reasons)}")
+        raise NoChain(f"no certificate chain to round {round} ({params_hash[:12]}): {'; '.join(reasons)}", liars)
+
+    async def _chain_from(self, donor: str, after: int, round: int, params_hash: str,
+                          chain: dict[int, CommitCertificate], commits: CommitLog, admits) -> str:
+        """Ask ``donor`` for its certificates after ``after`` (into ``chain``) until they lead to
+        (round, params_hash); "" once they do, else why not."""
+        waited_until = time.monotonic() + CERT_WAIT_SECONDS
+        while True:
+            while True:
+                _, payload = await self._request(donor, {"op": "certs", "after": after}, max_payload=MAX_PAYLOAD_BYTES)
+                certs = decode_certs(payload)
+                chain.update((c.round, c) for c in certs if c.round <= round)
+                if not certs or certs[-1].round >= round:
+                    break
+                after = certs[-1].round
+            ok, why = verify_chain(list(chain.values()), commits.trusted, (round, params_hash),
+                                   scope=commits.scope, admits=admits)
+            if ok:
+                return ""
+            whole_below = round - 1 in chain or round - 1 in commits.trusted
+            if why != "no_certificate" or not whole_below or time.monotonic() >= waited_until:
+                return why
+            after = round - 1  # all but the newest: its signatures are on their way
+            await asyncio.sleep(CERT_POLL_SECONDS)
 
     async def run(self, round: int, params_hash: str, donors: list[str], shapes: list[list[int]]) -> Snapshot:
         """Download and verify the snapshot (round, params_hash) of a model with these parameter

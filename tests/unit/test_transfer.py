@@ -180,3 +180,53 @@ async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state
         assert (await download.meta(donor.peer_id, 4, "h4", [[1 << 14]])) is not None and built == [3, 4]
     finally:
         await stop_peers(peers)
+
+
+async def test_a_chain_lacking_only_its_newest_certificate_is_waited_for_and_forged_ones_name_the_donor(monkeypatch):
+    # An honest donor announces a round a moment before the other members' signatures complete
+    # its certificate: the joiner asks again rather than give up (or blame it). A chain that
+    # stays short names no liar; a certificate whose signature fails names its donor.
+    import p2p.transfer
+    from p2p.commits import CommitCertificate, CommitLog
+    from p2p.identity import generate_identity
+    from p2p.records import RecordSigner
+    from p2p.transfer import NoChain
+    from tests.unit.test_rounds import start_peers, stop_peers
+
+    monkeypatch.setattr(p2p.transfer, "CERT_WAIT_SECONDS", 2.0)
+    signers = sorted((RecordSigner.from_identity(generate_identity()) for _ in range(3)), key=lambda s: s.peer_id)
+    peers = await start_peers(2)
+    try:
+        donor = peers[0][0]
+        server, download = await serving(peers)
+
+        def cert(round: int) -> CommitCertificate:
+            c = CommitCertificate(donor.scope, round, "g" if round == 1 else f"h{round - 1}", f"h{round}",
+                                  tuple(s.peer_id for s in signers))
+            for s in signers[:2]:
+                assert c.add(s.peer_id, s.public_key, s.sign(c.message()))
+            return c
+
+        for r in (1, 2, 3):
+            server.commits.add(cert(r))
+        mine = CommitLog(donor.scope, "g")
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.6, server.commits.add, cert(4))  # round 4's signatures arrive late
+        started = loop.time()
+        chain = await download.fetch_chain(4, "h4", [donor.peer_id], mine)
+        assert [c.round for c in chain] == [1, 2, 3, 4] and loop.time() - started >= 0.5
+        # Round 6 with no certificate of round 5 below it, round 5 never certified: nobody lied.
+        for target in (6, 5):
+            with pytest.raises(NoChain, match=f"round {target}") as e:
+                await download.fetch_chain(target, f"h{target}", [donor.peer_id], mine)
+            assert e.value.liars == []
+        forged = cert(5)
+        forged.new = "h5-forged"  # changed after signing: no signature on it verifies
+        server.commits.add(forged)
+        with pytest.raises(NoChain) as e:
+            await download.fetch_chain(5, "h5", [donor.peer_id], mine)
+        assert e.value.liars == [donor.peer_id]
+        assert peers[1][2].registry.get_sample_value("gonka_node_rejected_messages_total",
+                                                    {"reason": "bad_certificate"}) == 1
+    finally:
+        await stop_peers(peers)
