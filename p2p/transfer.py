@@ -327,15 +327,17 @@ class StateDownload:
 
         An honest donor holds the newest round's certificate only once the other members'
         signatures reached it, a moment after it announced the round: a chain that is whole
-        but for that last certificate is asked for again for up to ``CERT_WAIT_SECONDS``."""
+        but for that last certificate is asked for again, for up to ``CERT_WAIT_SECONDS`` in all."""
         reasons, liars = [], []
+        wait_until = time.monotonic() + CERT_WAIT_SECONDS  # for all donors together
         for donor in donors:
             # Most of the time the chain from just below our own round is enough; else all of it.
             starts = sorted({max(0, min(round, max(commits.trusted)) - 16), 0}, reverse=True)
             chain: dict[int, CommitCertificate] = {}
             for after in starts:
                 try:
-                    why = await self._chain_from(donor, after, round, params_hash, chain, commits, admits)
+                    why = await self._chain_from(donor, after, round, params_hash, chain, commits, admits,
+                                                 wait_until)
                 except ValueError as e:  # a signature that does not verify: no honest peer serves one
                     self.reject("bad_certificate", f"from {donor[-8:]}")
                     reasons.append(f"{donor[-8:]}: {e}")
@@ -350,10 +352,11 @@ class StateDownload:
         raise NoChain(f"no certificate chain to round {round} ({params_hash[:12]}): {'; '.join(reasons)}", liars)
 
     async def _chain_from(self, donor: str, after: int, round: int, params_hash: str,
-                          chain: dict[int, CommitCertificate], commits: CommitLog, admits) -> str:
+                          chain: dict[int, CommitCertificate], commits: CommitLog, admits,
+                          wait_until: float) -> str:
         """Ask ``donor`` for its certificates after ``after`` (into ``chain``) until they lead to
-        (round, params_hash); "" once they do, else why not."""
-        waited_until = time.monotonic() + CERT_WAIT_SECONDS
+        (round, params_hash); "" once they do, else why not. Until ``wait_until``, a chain whole
+        but for the newest certificate is asked for again."""
         while True:
             while True:
                 _, payload = await self._request(donor, {"op": "certs", "after": after}, max_payload=MAX_PAYLOAD_BYTES)
@@ -366,8 +369,8 @@ class StateDownload:
                                    scope=commits.scope, admits=admits)
             if ok:
                 return ""
-            whole_below = round - 1 in chain or round - 1 in commits.trusted
-            if why != "no_certificate" or not whole_below or time.monotonic() >= waited_until:
+            reaches_below = round - 1 in chain or round - 1 in commits.trusted
+            if why != "no_certificate" or not reaches_below or time.monotonic() >= wait_until:
                 return why
             after = round - 1  # all but the newest: its signatures are on their way
             await asyncio.sleep(CERT_POLL_SECONDS)
