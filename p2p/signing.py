@@ -4,9 +4,10 @@ After a round commits and this node applied it, it signs the certificate of
 that round (``CommitSigning.certify``) and sends the signature to every other
 member; their signatures come in on the round protocol's ``sign`` stream
 (``receive``). A signature that arrives before this node finished applying
-the round is kept and checked once it has. The certificate joins the node's
-chain (``CommitLog``) as soon as more than half of the members signed; later
-signatures still add to it. Only members of one of the last few committed
+the round is kept and checked once it has; one that failed on the way, or
+reached a member that did not know the group yet, is sent again a few times.
+The certificate joins the node's chain (``CommitLog``) as soon as more than
+half of the members signed; later signatures still add to it. Only members of one of the last few committed
 groups may sign, and every signature is checked against the member's key.
 """
 
@@ -20,6 +21,9 @@ from p2p.commits import CommitCertificate, CommitLog
 from p2p.limits import BoundedDict
 
 log = logging.getLogger(__name__)
+
+SIGN_ATTEMPTS = 4  # deliveries of our signature to one member: at once, then after 0.25, 0.5, 1 s
+SIGN_RETRY_SECONDS = 0.25
 
 
 @dataclass(eq=False)
@@ -67,11 +71,25 @@ class CommitSigning:
         header = {"g": self._last, "pk": signer.public_key, "sig": signature}
         others = [p for p in signing.members if p != self.swarm.peer_id]
 
+        async def deliver(peer: str) -> bool:
+            """Until the member takes it: a stream that failed, or a member that did not know the
+            group yet, is tried again (a certificate missing one signature may never hold there)."""
+            for attempt in range(SIGN_ATTEMPTS):
+                if attempt:
+                    await asyncio.sleep(SIGN_RETRY_SECONDS * 2 ** (attempt - 1))
+                try:
+                    reply, _ = await self._send(peer, header)
+                except Exception:
+                    continue
+                if reply.get("ok") or reply.get("reason") != "unknown_group":
+                    return bool(reply.get("ok"))
+            return False
+
         async def send():
-            results = await asyncio.gather(*(self._send(p, header) for p in others), return_exceptions=True)
-            missing = [p[-8:] for p, r in zip(others, results) if isinstance(r, BaseException)]
+            results = await asyncio.gather(*(deliver(p) for p in others))
+            missing = [p[-8:] for p, ok in zip(others, results) if not ok]
             if missing:
-                log.info("round %d certificate: signature not delivered to %s", cert.round, ", ".join(missing))
+                log.info("round %d certificate: signature not taken by %s", cert.round, ", ".join(missing))
 
         task = asyncio.ensure_future(send())
         self._tasks.add(task)

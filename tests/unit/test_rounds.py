@@ -492,6 +492,33 @@ async def test_a_signature_that_arrives_while_a_member_still_writes_its_residual
         await stop_peers(peers)
 
 
+async def test_a_signature_a_member_could_not_take_yet_is_sent_again():
+    # The first delivery of a's signature reaches b when b does not know the group (or fails on
+    # the way): a sends it again, and b's certificate holds with both signatures.
+    peers = sorted(await start_peers(2, min_peers=2), key=lambda p: p[0].peer_id)
+    (a, ra, _), (b, rb, _) = peers
+    receive, refused = rb.signing.receive, []
+
+    def first_refused(sender, *args, **kwargs):
+        if not refused:
+            refused.append(sender)
+            return "unknown_group"
+        return receive(sender, *args, **kwargs)
+
+    rb.signing.receive = first_refused
+    try:
+        await a.refresh_peers()
+        results = await asyncio.wait_for(asyncio.gather(ra.average([torch.ones(8)], 1.0, 0),
+                                                        rb.average([torch.zeros(8)], 1.0, 0)), 30)
+        assert all(res is not None for res in results)
+        await asyncio.gather(rb.certify("h0", "h1"), ra.certify("h0", "h1"))
+        assert refused == [a.peer_id]
+        cert = rb.commits.certs.get(1)
+        assert cert is not None and cert.signers == {a.peer_id, b.peer_id}
+    finally:
+        await stop_peers(peers)
+
+
 def _views(vector: torch.Tensor, shapes) -> list[torch.Tensor]:
     out, at = [], 0
     for shape in shapes:
