@@ -7,8 +7,9 @@ member; their signatures come in on the round protocol's ``sign`` stream
 the round is kept and checked once it has; one that failed on the way, or
 reached a member that did not know the group yet, is sent again a few times.
 The certificate joins the node's chain (``CommitLog``) as soon as more than
-half of the members signed; later signatures still add to it. Only members of one of the last few committed
-groups may sign, and every signature is checked against the member's key.
+half of the members signed; later signatures still add to it. Only members of
+one of the last few committed groups may sign, and every signature is checked
+against the member's key.
 """
 
 from __future__ import annotations

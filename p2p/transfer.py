@@ -358,13 +358,7 @@ class StateDownload:
         (round, params_hash); "" once they do, else why not. Until ``wait_until``, a chain whole
         but for the newest certificate is asked for again."""
         while True:
-            while True:
-                _, payload = await self._request(donor, {"op": "certs", "after": after}, max_payload=MAX_PAYLOAD_BYTES)
-                certs = decode_certs(payload)
-                chain.update((c.round, c) for c in certs if c.round <= round)
-                if not certs or certs[-1].round >= round:
-                    break
-                after = certs[-1].round
+            await self._certs_after(donor, after, round, chain)
             ok, why = verify_chain(list(chain.values()), commits.trusted, (round, params_hash),
                                    scope=commits.scope, admits=admits)
             if ok:
@@ -374,6 +368,17 @@ class StateDownload:
                 return why
             after = round - 1  # all but the newest: its signatures are on their way
             await asyncio.sleep(CERT_POLL_SECONDS)
+
+    async def _certs_after(self, donor: str, after: int, round: int, chain: dict[int, CommitCertificate]) -> None:
+        """``donor``'s certificates of rounds after ``after`` up to ``round``, into ``chain``, a
+        reply (``MAX_CERTS_PER_REPLY``) at a time; ValueError if one does not verify."""
+        while True:
+            _, payload = await self._request(donor, {"op": "certs", "after": after}, max_payload=MAX_PAYLOAD_BYTES)
+            certs = decode_certs(payload)
+            chain.update((c.round, c) for c in certs if c.round <= round)
+            if not certs or certs[-1].round >= round:
+                return
+            after = certs[-1].round
 
     async def run(self, round: int, params_hash: str, donors: list[str], shapes: list[list[int]]) -> Snapshot:
         """Download and verify the snapshot (round, params_hash) of a model with these parameter
