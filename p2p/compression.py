@@ -118,16 +118,19 @@ def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None,
 
 def base_vector(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The fp32 CPU vector that ``tensors`` are consecutive views of, in order and covering it
-    whole (what ``unflatten(..., copy=False)`` makes); None if they are not."""
+    whole (what ``unflatten(..., copy=False)`` makes), or the one vector given itself; None if
+    they are not."""
     if not tensors:
         return None
     base = tensors[0]._base
+    if base is None and len(tensors) == 1:  # a vector of its own, not a view
+        base = tensors[0]
     if (base is None or base.dim() != 1 or base.dtype != torch.float32 or base.device.type != "cpu"
             or not base.is_contiguous()):
         return None
     at = base.storage_offset()
     for t in tensors:
-        if t._base is not base or not t.is_contiguous() or t.storage_offset() != at:
+        if (t._base is not base and t is not base) or not t.is_contiguous() or t.storage_offset() != at:
             return None
         at += t.numel()
     return base if at == base.storage_offset() + base.numel() else None

@@ -166,7 +166,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
         bootstrap=bootstrap,
         listen=[f"/ip4/{args.ip}/tcp/0"],
         min_peers=args.peers,
-        heartbeat_interval=0.5,
+        heartbeat_interval=2.0,
         gather_timeout=args.timeout,
         round_timeout=args.timeout,
         request_timeout=20.0,

@@ -430,11 +430,14 @@ def _views(vector: torch.Tensor, shapes) -> list[torch.Tensor]:
     return out
 
 
-def test_base_vector_is_found_only_for_consecutive_views_covering_it():
+def test_base_vector_is_found_only_for_consecutive_views_covering_it_or_a_vector_given_alone():
     from p2p.compression import base_vector
 
     v = torch.zeros(30)
     assert base_vector(_views(v, [(4, 5), (10,)])) is v
+    assert base_vector([v]) is v  # a vector of its own, donated as it is
+    assert base_vector([torch.zeros(5, 6)]) is None and base_vector([v, torch.zeros(3)]) is None
+    assert base_vector([torch.zeros(30, dtype=torch.float64)]) is None
     assert base_vector(_views(v, [(4, 5)])) is None  # not all of it
     assert base_vector(list(reversed(_views(v, [(4, 5), (10,)])))) is None  # out of order
     assert base_vector([torch.zeros(3), torch.zeros(2)]) is None and base_vector([]) is None
