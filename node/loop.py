@@ -13,7 +13,7 @@ import threading
 import time
 
 from node.status import Status
-from p2p import hostile
+from p2p import faults, hostile
 from p2p.group import counted_tokens
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
@@ -24,6 +24,8 @@ from trainer.diloco import DiLoCoWorker
 log = logging.getLogger("gonka.node")
 
 RETRY_SECONDS = 0.5
+# Re-syncs in a row, each because the swarm committed again during the one before (``resync``).
+CATCH_UPS = 3
 
 
 class RunMismatch(Exception):
@@ -298,13 +300,26 @@ class TrainingLoop:
         Candidates come best first; each must show a certificate chain from a state we trust
         before a byte of it is downloaded. A donor that sends a certificate no honest peer
         holds gets a strike (p2p/quarantine.py); a chain that only lacks links does not: honest
-        peers lack their newest certificate for a moment (``StateDownload.fetch_chain``)."""
+        peers lack their newest certificate for a moment (``StateDownload.fetch_chain``).
+
+        The swarm may commit again while we download (its inner steps as short as our download):
+        then we follow at once, up to ``CATCH_UPS`` times, instead of training for a round it has
+        finished; else we would be one round behind at every gather and left out for good."""
+        for _ in range(1 + CATCH_UPS):
+            if not await self._resync_once(reason) or self.stop_requested.is_set():
+                return
+            if self.decide(await self.swarm.refresh_peers(), patient=False)[0] != "behind":
+                return
+            reason = "behind"
+
+    async def _resync_once(self, reason: str) -> bool:
+        """One re-sync: True once a state is adopted."""
         commits = self.rounds.commits
         for attempt in range(3):
             why, candidates = self.decide(await self.swarm.refresh_peers())
             if not why or not candidates:
                 log.warning("re-sync (%s): no majority of the other peers is ahead or elsewhere", reason)
-                return
+                return False
             if self.overlapped and await self.round_in_flight(candidates[0][0]):
                 continue
             self.set_state("joining")
@@ -321,6 +336,7 @@ class TrainingLoop:
                 try:
                     snap = await download.run(round, params_hash, donors,
                                               [list(s) for s in self.worker.state_shapes()])
+                    await faults.hold_download()
                     if hasattr(self.worker, "load_shards"):  # a multi-rank host: every rank its shard
                         ok = await self.worker.load_shards(snap, donors, self.compute)
                     else:
@@ -335,11 +351,17 @@ class TrainingLoop:
                     self.metrics.round.set(self.worker.round)
                     self.round_step = 0
                     await self.publish_state()
+                    # Training the next round from here on, and said in the same heartbeat as the
+                    # new round: a leader waits for peers training towards its round, not for one
+                    # still "joining". Said only later, a peer whose download takes about as long
+                    # as the swarm's inner steps is left out of every round and re-syncs forever.
+                    self.set_state("training")
                     log.info("resynced round=%d hash=%s reason=%s donors=%d", self.worker.round,
                              self.status.params_hash, reason, len(donors))
                     await self.on_commit()
-                    return
+                    return True
             await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
+        return False
 
     async def round_in_flight(self, round: int) -> bool:
         """Overlapped rounds: if the swarm is averaging round ``round`` right now, wait for

@@ -11,15 +11,20 @@ the committed round + 1) in a group of at least MEMBERS peers. Phases:
 - ``serve``: a peer asked it for a piece of the state, before it answered.
 
 Only tests set it; a node without the variable never takes these branches.
+
+``GONKA_TEST_HOLD_FIRST_DOWNLOAD=SECONDS`` holds the node's first downloaded state
+that long before loading it, so a test can make the swarm commit meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 
 ENV = "GONKA_TEST_FAULT"
+HOLD_ENV = "GONKA_TEST_HOLD_FIRST_DOWNLOAD"
 PHASES = ("grouped", "reduce", "gather", "commit", "serve")
 
 log = logging.getLogger(__name__)
@@ -46,3 +51,15 @@ def checkpoint(phase: str, round: int, members: int = 0) -> None:
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_hold = float(os.environ.get(HOLD_ENV) or 0.0)
+
+
+async def hold_download() -> None:
+    """Before loading a downloaded state: wait if a test asked to hold the first one."""
+    global _hold
+    if _hold > 0:
+        seconds, _hold = _hold, 0.0
+        log.warning("fault injection: holding the first downloaded state %.1fs", seconds)
+        await asyncio.sleep(seconds)

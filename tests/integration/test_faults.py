@@ -1,5 +1,6 @@
 """Injected faults in real swarms on loopback: a member SIGKILLed at each phase of a
-4-peer round, a member SIGSTOPped past the deadline, a donor killed mid-download.
+4-peer round, a member SIGSTOPped past the deadline (and its first download held), a donor
+killed mid-download.
 Every test ends by checking that all survivors hold the same parameters."""
 
 import re
@@ -62,9 +63,21 @@ def test_sigkill_member_of_a_4_peer_round(nodes, phase):
 
 
 def test_sigstopped_member_is_left_out_then_resyncs(nodes):
-    swarm = start_swarm(nodes, 4)
-    sleeper, others = swarm[3], swarm[:3]
+    # The sleeper joins a swarm that has committed, and its first download is held 3 s, several
+    # of the swarm's rounds: it must follow again at once, not train for a round the swarm has
+    # finished (then it would be one round behind at every gather whenever a download takes
+    # about as long as the inner steps).
+    others = start_swarm(nodes, 3)
+    others[0].wait_round(1, timeout=120)
+    sleeper = nodes("n3", *COMMON, "--bootstrap", others[0].address(), env={"GONKA_TEST_HOLD_FIRST_DOWNLOAD": "3"})
+    swarm = [*others, sleeper]
     wait_until(lambda: "members=4" in sleeper.log(), 200, "a 4-member round")
+    joined = sleeper.log().split("members=4")[0]
+    assert "holding the first downloaded state" in joined, joined[-3000:]
+    resynced = [int(r) for r in re.findall(r"resynced round=(\d+)", joined)]
+    assert len(resynced) >= 2 and resynced[1] > resynced[0], joined[-3000:]
+    between = joined.split(f"resynced round={resynced[0]} ")[1].split(f"resynced round={resynced[1]} ")[0]
+    assert "trained round" not in between, joined[-3000:]
     sleeper.proc.send_signal(signal.SIGSTOP)
     # The others may not have logged that commit yet; the sleeper has.
     stopped_at = max(max(n.rounds(), default=0) for n in swarm)
