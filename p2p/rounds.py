@@ -123,6 +123,9 @@ class RoundProtocol:
         self._background_tasks: set[asyncio.Task] = set()
         # Leaders that peers told us they refuse (they quarantined it); see ``quorum.shunned``.
         self.refusals = Refusals(cfg.quarantine_seconds)
+        # Peers that announced a state which showed us no certificate chain: peer -> (that
+        # params_hash, until when). See ``not_vouching``.
+        self._unverified: BoundedDict = BoundedDict(4096)
         self.last = RoundOutcome("none")
         self._flood_task: asyncio.Task | None = None
 
@@ -282,6 +285,20 @@ class RoundProtocol:
         out = self.quarantine.active(now) | self._shunned(peers, now)
         return {p: r for p, r in peers.items() if p not in self._suspects and p not in out}
 
+    def unverified(self, peer: str, params_hash: str) -> None:
+        """``peer`` announced ``params_hash`` and no donor of it showed a certificate chain to it."""
+        self._unverified[peer] = (params_hash, time.monotonic() + self.quarantine.seconds)
+
+    def not_vouching(self, peers, now: float) -> set[str]:
+        """Peers whose word on which state to follow counts for nothing now (``quorum.follow``'s
+        ``excluded``; they still count as live): the quarantined, and those still announcing a
+        state that showed us no certificate chain. Without the second, two peers announcing
+        uncertifiable newer states kept three honest ones re-syncing in vain, announced as
+        joining (so not live); the two then were a majority of the live and ran ahead alone."""
+        self._unverified.retain(lambda p, v: v[1] > now)
+        return self.quarantine.active(now) | {p for p, (h, _) in self._unverified.items()
+                                              if p in peers and peers[p].params_hash == h}
+
     def _shunned(self, peers, now: float) -> set[str]:
         live = live_peers(peers, self.swarm.peer_id)
         return {leader for leader in self.refusals.leaders() if leader in live
@@ -342,7 +359,7 @@ class RoundProtocol:
             # The swarm moved on: a majority of the others hold a newer round (or, once we have
             # waited a whole gather without a quorum, enough of them to be one with us).
             stuck = time.monotonic() - started > self.gather_timeout
-            why, _ = follow(table, self.swarm.peer_id, (round, ""), excluded=self.quarantine.active(time.monotonic()),
+            why, _ = follow(table, self.swarm.peer_id, (round, ""), excluded=self.not_vouching(table, time.monotonic()),
                             patient=stuck)
             if why == "behind":
                 raise _Behind()
