@@ -549,3 +549,34 @@ async def test_an_aborted_attempt_leaves_a_donated_vector_and_the_commit_writes_
         await asyncio.gather(task, return_exceptions=True)
     finally:
         await stop_peers(peers)
+
+
+async def test_a_peer_whose_state_showed_no_chain_vouches_for_nothing_while_it_announces_it():
+    # Two of four others announce a far newer state that showed no certificate chain: once
+    # recorded, their word does not make us follow (nor re-sync in vain, announced as joining,
+    # while they run ahead as a majority of the live). A new state of theirs is heard again,
+    # and so is the same one after the quarantine period.
+    from types import SimpleNamespace
+
+    from p2p.quorum import follow, live_peers
+
+    [(swarm, rounds, _)] = await start_peers(1)
+    try:
+        def record(round, params_hash):
+            return SimpleNamespace(round=round, state="training", params_hash=params_hash)
+
+        table = {"liar0": record(1000, "zeros"), "liar1": record(1001, "zeros"), "a": record(3, "h3"),
+                 "b": record(3, "h3")}
+        now = time.monotonic()
+        mine = (3, "h3")
+        assert follow(table, swarm.peer_id, mine, excluded=rounds.not_vouching(table, now), patient=True)[0] == "behind"
+        for liar in ("liar0", "liar1"):
+            rounds.unverified(liar, "zeros")
+        assert rounds.not_vouching(table, now) == {"liar0", "liar1"}
+        assert follow(table, swarm.peer_id, mine, excluded=rounds.not_vouching(table, now), patient=True) == ("", [])
+        assert {"liar0", "liar1"} <= live_peers(table, swarm.peer_id)  # they still count as live
+        table["liar1"] = record(1002, "other")
+        assert rounds.not_vouching(table, now) == {"liar0"}
+        assert rounds.not_vouching(table, now + rounds.quarantine.seconds + 1) == set()
+    finally:
+        await swarm.close()
