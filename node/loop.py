@@ -54,6 +54,7 @@ class TrainingLoop:
         self.pending: asyncio.Future | None = None
         self._committing: asyncio.Future | None = None  # the commit being applied (see commit)
         self._evaluated = -1
+        self._fakes = 0  # test-only hostile states served (p2p/hostile.py, fake_states)
         self.last_commit: dict | None = None  # the last committed round, for the history (node/history.py)
 
     def request_stop(self) -> None:
@@ -82,6 +83,8 @@ class TrainingLoop:
         background while the next round's inner steps run (delayed, eager)."""
         if self.pending is None:
             self.set_state("training")
+            if hostile.BEHAVIOUR.fake_states:  # test-only: a new claim every round, committed or not
+                await asyncio.to_thread(self._serve_fake_state)
         # The round these steps count towards: the next one, or the one after the round in flight.
         phase_round = self.worker.round + (1 if self.pending is None else 2)
         stats = await self.train_phase()
@@ -397,7 +400,8 @@ class TrainingLoop:
     @property
     def announced_round(self) -> int:
         """The round this node tells the swarm it holds (a test-only hostile node lies, p2p/hostile.py)."""
-        return self.worker.round + (1000 if hostile.BEHAVIOUR.fake_state else 0)
+        lying = hostile.BEHAVIOUR.fake_state or hostile.BEHAVIOUR.fake_states
+        return self.worker.round + (1000 if lying else 0)
 
     def set_state(self, state: str) -> None:
         self.status.state = state
@@ -432,8 +436,8 @@ class TrainingLoop:
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
         self.swarm.announce(round=self.announced_round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
                             rtok=self.round_step * self.tokens_per_step)
-        if hostile.BEHAVIOUR.fake_state:  # test-only: claim a far newer round with a state of our own
-            await asyncio.to_thread(self._serve_fake_state)
+        if hostile.BEHAVIOUR.fake_state or hostile.BEHAVIOUR.fake_states:  # test-only: claim a far
+            await asyncio.to_thread(self._serve_fake_state)  # newer round with a state of our own
 
     def _serve_fake_state(self) -> None:
         import torch
@@ -441,8 +445,12 @@ class TrainingLoop:
         from trainer.diloco import params_digest
 
         zeros = [torch.zeros(s) for s in self.worker.state_shapes()]
-        fake_hash = params_digest(zeros)
-        self.server.serve(Snapshot.build(self.announced_round, fake_hash, zeros, zeros,
+        # fake_states: another state each time (a liar that answers a refusal with a new claim)
+        self._fakes += 1
+        fill = self._fakes * 1e-3 if hostile.BEHAVIOUR.fake_states else 0.0
+        params = [torch.full(s, fill) for s in self.worker.state_shapes()]
+        fake_hash = params_digest(params)
+        self.server.serve(Snapshot.build(self.announced_round, fake_hash, params, zeros,
                                          self.swarm.config.state_chunk_bytes))
         self.swarm.announce(round=self.announced_round, hash=fake_hash)
 

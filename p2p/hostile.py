@@ -10,6 +10,7 @@ and the attack script do). Kinds:
 - ``silent_leader``: announce ready, but never send ``begin`` when it leads;
 - ``alter_slice``: as a part owner, return a finite but wrong average;
 - ``fake_state``: announce a round 1000 ahead with a state of its own (zeros) and serve it;
+- ``fake_states``: the same with another state (another hash) after every round it commits;
 - ``flood``: open streams to every peer and leave them open.
 
 The hooks sit where an attacker would act, in the node's own code; a node
@@ -22,7 +23,7 @@ import os
 from dataclasses import dataclass
 
 ENV = "GONKA_TEST_HOSTILE"
-_FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "flood")
+_FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "fake_states", "flood")
 _VALUES = ("scale", "fill", "weight")
 
 
@@ -35,6 +36,7 @@ class Behaviour:
     silent_leader: bool = False
     alter_slice: bool = False
     fake_state: bool = False
+    fake_states: bool = False
     flood: bool = False
 
     @property

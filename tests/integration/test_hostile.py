@@ -87,13 +87,14 @@ def test_a_killed_member_never_splits_the_survivors_under_cpu_load(nodes, cpu_lo
 def test_a_minority_announcing_a_far_newer_state_is_not_followed(nodes):
     # Issue 14: one peer announced a far newer round with a state of its own (all zeros) and
     # served it with a matching hash; every honest peer adopted it. Here two of five do it
-    # (a sub-quorum), and a joiner that knows only a liar's address joins through it.
+    # (a sub-quorum; the second announces another state every round), and a joiner that knows
+    # only a liar's address joins through it.
     common = ["--inner-steps", "6", "--min-peers", "2"]
     first = nodes("honest0", *common)
     addr = first.address()
     honest = [first, *(nodes(f"honest{i}", *common, "--bootstrap", addr) for i in (1, 2))]
-    liars = [nodes(f"liar{i}", *common, "--bootstrap", addr, env={"GONKA_TEST_HOSTILE": "fake_state"})
-             for i in (0, 1)]
+    liars = [nodes(f"liar{i}", *common, "--bootstrap", addr, env={"GONKA_TEST_HOSTILE": kind})
+             for i, kind in enumerate(("fake_state", "fake_states"))]
     for n in honest:
         n.wait_round(2, timeout=240)
     joiner = nodes("joiner", *common, "--bootstrap", liars[0].address())

@@ -62,6 +62,7 @@ def test_the_tables_are_bounded_whoever_offends():
 def test_hostile_behaviours_parse_and_bad_ones_name_the_variable():
     assert parse("") == Behaviour() and not parse("").any
     assert parse("scale=-1000, weight=1e30,abort") == Behaviour(scale=-1000.0, weight=1e30, abort=True)
+    assert parse("fake_state,fake_states") == Behaviour(fake_state=True, fake_states=True)
     for bad in ("scale", "abort=1", "king", "fill=x"):
         with pytest.raises(ValueError, match="GONKA_TEST_HOSTILE"):
             parse(bad)
