@@ -400,8 +400,7 @@ class TrainingLoop:
     @property
     def announced_round(self) -> int:
         """The round this node tells the swarm it holds (a test-only hostile node lies, p2p/hostile.py)."""
-        lying = hostile.BEHAVIOUR.fake_state or hostile.BEHAVIOUR.fake_states
-        return self.worker.round + (1000 if lying else 0)
+        return self.worker.round + (1000 if hostile.BEHAVIOUR.fakes_state else 0)
 
     def set_state(self, state: str) -> None:
         self.status.state = state
@@ -436,8 +435,8 @@ class TrainingLoop:
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
         self.swarm.announce(round=self.announced_round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
                             rtok=self.round_step * self.tokens_per_step)
-        if hostile.BEHAVIOUR.fake_state or hostile.BEHAVIOUR.fake_states:  # test-only: claim a far
-            await asyncio.to_thread(self._serve_fake_state)  # newer round with a state of our own
+        if hostile.BEHAVIOUR.fakes_state:  # test-only: claim a far newer round with a state of our own
+            await asyncio.to_thread(self._serve_fake_state)
 
     def _serve_fake_state(self) -> None:
         import torch
@@ -445,10 +444,10 @@ class TrainingLoop:
         from trainer.diloco import params_digest
 
         zeros = [torch.zeros(s) for s in self.worker.state_shapes()]
-        # fake_states: another state each time (a liar that answers a refusal with a new claim)
-        self._fakes += 1
-        fill = self._fakes * 1e-3 if hostile.BEHAVIOUR.fake_states else 0.0
-        params = [torch.full(s, fill) for s in self.worker.state_shapes()]
+        params = zeros
+        if hostile.BEHAVIOUR.fake_states:  # another state each time: a refused claim gets a new one
+            self._fakes += 1
+            params = [torch.full(s, self._fakes * 1e-3) for s in self.worker.state_shapes()]
         fake_hash = params_digest(params)
         self.server.serve(Snapshot.build(self.announced_round, fake_hash, params, zeros,
                                          self.swarm.config.state_chunk_bytes))

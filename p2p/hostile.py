@@ -10,7 +10,7 @@ and the attack script do). Kinds:
 - ``silent_leader``: announce ready, but never send ``begin`` when it leads;
 - ``alter_slice``: as a part owner, return a finite but wrong average;
 - ``fake_state``: announce a round 1000 ahead with a state of its own (zeros) and serve it;
-- ``fake_states``: the same with another state (another hash) after every round it commits;
+- ``fake_states``: the same with another state (another hash) every round;
 - ``flood``: open streams to every peer and leave them open.
 
 The hooks sit where an attacker would act, in the node's own code; a node
@@ -38,6 +38,11 @@ class Behaviour:
     fake_state: bool = False
     fake_states: bool = False
     flood: bool = False
+
+    @property
+    def fakes_state(self) -> bool:
+        """Claims a far newer round with a state of its own (``fake_state`` or ``fake_states``)."""
+        return self.fake_state or self.fake_states
 
     @property
     def any(self) -> bool:
