@@ -77,12 +77,24 @@ def _dying_with_us(program: str, *args: str) -> tuple[str, ...]:
     return (sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), program, *args)
 
 
+# p2pd's TCP transport dials from its listen port (SO_REUSEPORT) unless told otherwise. Two peers
+# that dial each other at once then send SYNs with the same 4-tuple: TCP merges them into one
+# simultaneous open, both ends start the security handshake as its initiator, and it fails
+# ("noise: message is too short"); the address then sits in libp2p's dial backoff. At LAN
+# round-trip times the window is microseconds; at 200 ms it failed 8 dials of 8. Dialling from
+# an ephemeral port makes two crossing dials two connections, both of which work. The listen
+# port only matters to a dial for TCP hole punching, which this p2pd does not do.
+P2PD_ENVIRONMENT = {"LIBP2P_TCP_REUSEPORT": "false"}
+
+
 @contextlib.contextmanager
 def _children_die_with_us():
-    """hivemind starts p2pd with create_subprocess_exec and offers no hook; add one."""
+    """hivemind starts p2pd with create_subprocess_exec and offers no hook; add one (which also
+    sets ``P2PD_ENVIRONMENT``)."""
     original = asyncio.subprocess.create_subprocess_exec
 
     async def spawn(program, *args, **kwargs):
+        kwargs["env"] = {**(kwargs.get("env") or os.environ), **P2PD_ENVIRONMENT}
         return await original(*_dying_with_us(str(program), *map(str, args)), **kwargs)
 
     asyncio.subprocess.create_subprocess_exec = spawn
@@ -403,7 +415,9 @@ class Swarm:
         from hivemind.utils.multiaddr import Multiaddr
 
         try:
-            await self.p2p._client.connect(peer_id_from(peer), [Multiaddr(a) for a in record.maddrs])
+            # The transport part only: p2pd refuses an address that still ends in /p2p/<its id>.
+            await self.p2p._client.connect(peer_id_from(peer), [Multiaddr(a.removesuffix(f"/p2p/{peer}"))
+                                                                for a in record.maddrs])
             return True
         except Exception as e:
             log.debug("dialing %s at its addresses failed: %r", peer[-8:], e)
