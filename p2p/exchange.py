@@ -205,5 +205,5 @@ async def all_or_fail(tasks: list[asyncio.Future], group: Group, by: str | None 
         else:
             log.exception("unexpected error in a round")
             reason = "error"
-        group.fail(reason, str(e), by=by)
+        group.fail(reason, str(e), by=by or getattr(e, "peer", None))
         raise RoundFailed(reason, str(e)[:200]) from None

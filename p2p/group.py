@@ -79,11 +79,13 @@ def counted_tokens(others: list[int], mine: int) -> int:
 
 
 class RoundFailed(Exception):
-    """The group cannot commit; ``reason`` is a metric label."""
+    """The group cannot commit; ``reason`` is a metric label, ``peer`` the member it failed on
+    where the raiser knows it (one it could not dial)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", peer: str | None = None) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.peer = peer
 
 
 def piece_digest(data: bytes | bytearray | memoryview, declared: bytes = b"") -> bytes:
@@ -160,7 +162,7 @@ class Group:
     blame: dict[str, str] = field(default_factory=dict)
     # Members that sent an abort while this peer had no failure of its own: member -> its reason.
     aborts: dict[str, str] = field(default_factory=dict)
-    _named: dict[str, bool] = field(default_factory=dict)  # member -> whether its abort named a culprit
+    _named: dict[str, str | None] = field(default_factory=dict)  # member -> the culprit its abort named
 
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
@@ -465,7 +467,7 @@ class Group:
             self.aborts.setdefault(member, reason)
             named = (isinstance(culprit, int) and not isinstance(culprit, bool)
                      and 0 <= culprit < len(self.members) and self.members[culprit] != member)
-            self._named.setdefault(member, named)
+            self._named.setdefault(member, self.members[culprit] if named else None)
         self.fail("aborted_by_peer", reason)
 
     def culprit(self, reason: str) -> int | None:
@@ -488,9 +490,9 @@ class Group:
                 return next((j for j in others if j not in inputs), None)
         return next((j for j in others if j not in self.votes), None)
 
-    def abort_named_a_culprit(self, member: str | None) -> bool:
-        """Whether ``member``'s abort named another member it failed on."""
-        return self._named.get(member, False)
+    def abort_culprit(self, member: str | None) -> str | None:
+        """The other member ``member``'s abort named as the one it failed on, if any."""
+        return self._named.get(member)
 
     def abort_starter(self) -> str | None:
         """Who started the aborts this peer got: the first member that gave a reason of its own,

@@ -34,6 +34,13 @@ LIES = frozenset({
 FAULTS = frozenset({"aborted", "refused", "silent_leader", "uncertified_state", "stream_flood"})
 # Any other offence quarantines at once, like a lie: ``aborted_again`` (``attempt_over``).
 STRIKES = 3
+# Aborts that are nobody's offence: a member could not dial another. Over the internet a dial
+# fails for reasons neither end controls (a lost SYN, a NAT, a route), and before p2pd dialled
+# from ephemeral ports two peers dialling each other at once failed every time at 100-200 ms
+# RTT: counted as aborts, that quarantined honest peers for 5 minutes. Such an abort leaves the
+# aborter and the member it named out of the next attempt instead (``RoundProtocol._judge``):
+# a peer that claims it falsely sits the retry out with its target, and cannot stall rounds.
+UNREACHABLE = "unreachable"
 
 
 class Quarantine:
@@ -47,14 +54,17 @@ class Quarantine:
         # Who started the aborts of our last attempt, naming nobody, and when (None: it did not fail so).
         self._started_last: tuple[str, float] | None = None
 
-    def attempt_over(self, starter: str | None, named_culprit: bool, now: float) -> str | None:
+    def attempt_over(self, starter: str | None, named_culprit: bool, now: float, reason: str = "") -> str | None:
         """One of our attempts ended at ``now``: ``starter`` started the aborts that failed it
-        (None: it committed, or nobody's abort did); ``named_culprit``: its abort named another
-        member it failed on. The offence to count against the starter, if any: ``aborted_again``
-        if it also started those of our attempt before, each time naming nobody, with no commit
-        of ours between and within the quarantine period; else ``aborted``. An abort that names
-        whom it failed on (a member that died, refused or lied) is a strike only: the retry goes
-        on without that member."""
+        (None: it committed, or nobody's abort did) for ``reason``; ``named_culprit``: its abort
+        named another member it failed on. The offence to count against the starter, if any:
+        none for a failed dial (``UNREACHABLE``); ``aborted_again`` if it also started those of
+        our attempt before, each time naming nobody, with no commit of ours between and within
+        the quarantine period; else ``aborted``. An abort that names whom it failed on (a member
+        that died, refused or lied) is a strike only: the retry goes on without that member."""
+        if reason == UNREACHABLE and named_culprit:
+            self._started_last = None
+            return None
         unexplained = starter is not None and not named_culprit
         last = self._started_last
         again = unexplained and last is not None and last[0] == starter and now - last[1] < self.seconds

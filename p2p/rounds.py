@@ -39,7 +39,7 @@ from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
 from p2p.group import Group, RoundFailed
 from p2p.limits import BoundedDict
-from p2p.quarantine import Quarantine, Refusals
+from p2p.quarantine import UNREACHABLE, Quarantine, Refusals
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum, shunned
 from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, combined_digest, guarded, shard_names
 from p2p.signing import CommitSigning
@@ -332,11 +332,19 @@ class RoundProtocol:
         attempt before too: ``Quarantine.attempt_over``). Returns them."""
         blamed = dict(group.blame)
         starter = group.abort_starter()
-        offence = self.quarantine.attempt_over(starter, group.abort_named_a_culprit(starter), time.monotonic())
-        if starter is not None:
+        reason = group.aborts.get(starter, "")
+        culprit = group.abort_culprit(starter)
+        offence = self.quarantine.attempt_over(starter, culprit is not None, time.monotonic(), reason)
+        if reason == UNREACHABLE and culprit is not None:  # p2p/quarantine.py: out of the retry, both
+            for peer in (starter, culprit):
+                if peer != self.swarm.peer_id:
+                    self._suspect(peer, 3 * self.swarm.config.heartbeat_interval)
+        elif group.failure is not None and group.failure.reason == UNREACHABLE and group.failed_by is not None:
+            self._suspect(group.failed_by, 3 * self.swarm.config.heartbeat_interval)  # we could not dial it
+        if offence is not None:
             blamed.setdefault(starter, offence)
-        for peer, reason in blamed.items():
-            self.offence(peer, reason)
+        for peer, what in blamed.items():
+            self.offence(peer, what)
         return sorted(blamed)
 
     async def _gather(self, round: int, started: float) -> Group:

@@ -82,9 +82,9 @@ class Dialer:
                                                                                       self.names[name])
                 return info, FrameReader.attach(reader, writer), writer
         except TimeoutError:
-            raise RoundFailed("unreachable", peer[-8:]) from None
+            raise RoundFailed("unreachable", peer[-8:], peer=peer) from None
         except Exception as e:
-            raise RoundFailed("unreachable", f"{peer[-8:]}: {e!r}"[:200]) from None
+            raise RoundFailed("unreachable", f"{peer[-8:]}: {e!r}"[:200], peer=peer) from None
 
     async def send(self, peer: str, name: str, header: dict, payload: bytes) -> None:
         """A header, then one frame of payload; waits for the answer (or the request timeout)."""

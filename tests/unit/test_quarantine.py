@@ -51,6 +51,17 @@ def test_starting_the_aborts_of_two_attempts_in_a_row_quarantines():
     assert q.attempt_over("z", False, 134.0) == "aborted"
 
 
+def test_an_abort_for_a_member_it_could_not_dial_is_no_offence_however_often():
+    q = Quarantine(seconds=100, strikes=3)
+    for t in range(10):  # what a NAT or lost SYNs do, attempt after attempt
+        assert q.attempt_over("x", True, float(t), "unreachable") is None
+    assert not q.quarantined("x", 10.0)
+    # ...but only when it names whom it could not dial; and it breaks no run of unexplained aborts.
+    assert q.attempt_over("x", False, 20.0, "unreachable") == "aborted"
+    assert q.attempt_over("x", True, 21.0, "unreachable") is None
+    assert q.attempt_over("x", False, 22.0, "timeout") == "aborted"
+
+
 def test_the_tables_are_bounded_whoever_offends():
     q = Quarantine(seconds=100, max_peers=16)
     for i in range(1000):
