@@ -26,6 +26,7 @@ from node.config import Config
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
 from p2p.swarm import parse_observed
+from p2p.tcpbuffers import TcpBuffers
 
 log = logging.getLogger("gonka.node")
 
@@ -119,6 +120,9 @@ class Node:
             if self.metrics.bound_port is not None:
                 host = cfg.node.metrics_addr.rsplit(":", 1)[0]
                 self._tell(f"metrics on http://{host}:{self.metrics.bound_port}/metrics")
+            buffers = TcpBuffers.read()
+            if buffers is not None and (advice := buffers.warning()) is not None:
+                log.warning("%s", advice)
             checks = self._start_background_checks()
             try:
                 await self.loop_.run()

@@ -31,6 +31,15 @@ def test_two_nodes_the_second_joining_the_first_and_prometheus_and_grafana():
     assert sorted(targets["targets"]) == ["node1:9400", "node2:9400"]
 
 
+def test_the_nodes_tcp_buffers_cover_a_distant_gigabit_link():
+    from p2p.tcpbuffers import ADVISED_MAX
+
+    for name in ("node1", "node2"):
+        sysctls = compose()["services"][name]["sysctls"]
+        for key in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
+            assert int(sysctls[key].split()[2]) >= ADVISED_MAX, (name, key)
+
+
 def test_every_mounted_file_exists_and_grafana_has_the_dashboards_datasource():
     for name, service in compose()["services"].items():
         for volume in service.get("volumes", []):
