@@ -36,6 +36,7 @@ import os
 import statistics
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -163,6 +164,9 @@ class Group:
     # Members that sent an abort while this peer had no failure of its own: member -> its reason.
     aborts: dict[str, str] = field(default_factory=dict)
     _named: dict[str, str | None] = field(default_factory=dict)  # member -> the culprit its abort named
+    # When this attempt reached each step on this peer (time.monotonic): "exchanged" (every part
+    # placed), "audited" (this member's audit clean too), "voted" (every vote in). See ``phases``.
+    marks: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
@@ -489,6 +493,20 @@ class Group:
             if self.reduced[k] is None:
                 return next((j for j in others if j not in inputs), None)
         return next((j for j in others if j not in self.votes), None)
+
+    def mark(self, step: str) -> None:
+        self.marks.setdefault(step, time.monotonic())
+
+    def phases(self, grouped: float) -> dict[str, float]:
+        """Seconds from ``grouped`` (when this peer joined the group) to the exchange's end, and
+        from each marked step to the next: where an attempt's time went, for operators and for
+        the round-trip count of docs/wan.md."""
+        out, last = {}, grouped
+        for step in ("exchanged", "audited", "voted"):
+            if step in self.marks:
+                out[step] = self.marks[step] - last
+                last = self.marks[step]
+        return out
 
     def abort_culprit(self, member: str | None) -> str | None:
         """The other member ``member``'s abort named as the one it failed on, if any."""

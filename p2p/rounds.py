@@ -69,6 +69,8 @@ class RoundOutcome:
     gather_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     blamed: list[str] = field(default_factory=list)  # members this peer held to account for it
+    # Seconds of the attempt's steps after the gather on this peer (``Group.phases``).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -244,7 +246,8 @@ class RoundProtocol:
                 await asyncio.shield(self.shards.end(group, committed=False))
             self.metrics.averaging_failures.labels(reason=reason).inc()
             self.last = RoundOutcome("aborted", reason, group.id.hex()[:8], group.members,
-                                     gathered - started, time.monotonic() - gathered, self._judge(group))
+                                     gathered - started, time.monotonic() - gathered, self._judge(group),
+                                     group.phases(gathered))
             log.warning("round %d attempt %s with %d members aborted: %s", round + 1, group.id.hex()[:8],
                         len(group.members), e)
             if isinstance(e, asyncio.CancelledError):
@@ -262,7 +265,7 @@ class RoundProtocol:
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds,
-                                 blamed)
+                                 blamed, group.phases(gathered))
         faults.checkpoint("commit", round + 1, len(group.members))
         # Donated: over our contribution, which nobody needs now (the vector holds the average
         # from here on: given again, it is a new round's input). Otherwise ``flat`` is the
@@ -538,6 +541,7 @@ class RoundProtocol:
             vote = combined_digest([own.result(), *theirs.result()])
         group.add_vote(group.index, vote)
         await self._to_all(group, others, {"g": group.id, "digest": vote}, group.agreed(deadline))
+        group.mark("voted")
         if len(set(group.votes.values())) != 1:
             raise RoundFailed("digest_mismatch")
 

@@ -264,8 +264,11 @@ class ShardPlane:
         sampled piece was recomputed and matched, and nobody applies anything otherwise. The
         audit starts once the part it samples is in, while the other parts still land."""
         others = [p for p in group.members if p != group.me]
-        await all_or_fail([asyncio.ensure_future(self.exchange.run(group, deadline)),
-                           asyncio.ensure_future(self.audits.check_when_placed(group, others, deadline))], group)
+        exchange = asyncio.ensure_future(self.exchange.run(group, deadline))
+        exchange.add_done_callback(lambda _: group.mark("exchanged"))
+        await all_or_fail([exchange, asyncio.ensure_future(self.audits.check_when_placed(group, others, deadline))],
+                          group)
+        group.mark("audited")
         return group.digest()
 
     async def group_for(self, sender: str, header: dict) -> tuple[Group, int]:

@@ -65,7 +65,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
 COLUMNS = ["system", "codec", "peers", "link_mbit", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
-           "seconds", "commit_s", "allreduce_s", "bound_seconds", "ratio_to_bound", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
+           "seconds", "commit_s", "allreduce_s", "bound_seconds", "ratio_to_bound", "gather_s", "exchanged_s", "audited_s",
+           "voted_s", "outside_s", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
 # Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
 # Float codecs round twice (contribution, then average); block codecs lose up to half a level.
 TOLERANCE = {"fp32": 1e-6, "none": 1e-6, "fp16": 2e-3, "float16": 2e-3, "bf16": 1.5e-2,
@@ -255,6 +256,18 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
     cpu = {key: [statistics.mean(p["repeats"][r][key] for p in peers) for r in range(repeats)]
            for key in ("cpu_s", "p2pd_cpu_s") if all(key in p["repeats"][r] for p in peers for r in range(repeats))}
     nic = [x["nic_tx_bytes"] for p in peers for x in p["repeats"]]
+    # gonka-node: where a sync's time went on the slowest peer (RoundOutcome.phases, gather_seconds).
+    steps = {}
+    for key in ("gather", "exchanged", "audited", "voted"):
+        per_repeat = []
+        for r in range(repeats):
+            values = [x.get("gather_s") if key == "gather" else x.get("phases", {}).get(key)
+                      for x in (p["repeats"][r] for p in peers)]
+            if None in values:
+                break
+            per_repeat.append(max(values))
+        else:
+            steps[f"{key}_s"] = statistics.median(per_repeat)
     size = wire_size(system, codec, args.params)
     bound = 2 * (args.peers - 1) / args.peers * size / (rate_bps / 8)
     seconds = statistics.median(e2e)
@@ -272,6 +285,9 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         "allreduce_s": statistics.median(exchange),
         "bound_seconds": bound,
         "ratio_to_bound": seconds / bound,
+        **steps,
+        # Everything but the exchange itself: the gather, group formation, audits, the vote, the decode.
+        "outside_s": seconds - steps["exchanged_s"] if "exchanged_s" in steps else None,
         "identical": identical,
         "rel_error": rel_error,
         "within_tol": rel_error <= TOLERANCE.get(codec, 1.0),

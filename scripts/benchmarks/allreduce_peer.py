@@ -208,6 +208,7 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
             sent = (metrics.registry.get_sample_value("gonka_node_sent_bytes_total") or 0.0) - sent0
             repeats.append({"t_enter": t_enter, "t_commit": t_commit, "t_exit": t_exit, "allreduce_s": rounds.last.allreduce_seconds,
                             "gather_s": rounds.last.gather_seconds, "members": len(rounds.last.members),
+                            "phases": getattr(rounds.last, "phases", {}),
                             "sent_bytes": int(sent), "nic_tx_bytes": nic_tx_bytes() - nic0,
                             "cpu_s": cpu_seconds() - cpu0, "p2pd_cpu_s": cpu_seconds(swarm.p2pd_pid) - p2pd0,
                             "digest": digest(result), "aborted": aborted})

@@ -66,6 +66,10 @@ async def test_weighted_average_is_bit_identical_on_every_member():
                 assert torch.equal(res[k], results[0][k])
                 assert torch.allclose(res[k], expected[k], atol=1e-6)
         assert all(r.last.status == "committed" and len(r.last.members) == 3 for _, r, _ in peers)
+        for _, r, _ in peers:  # where each member's time went, step by step after the gather
+            phases = r.last.phases
+            assert list(phases) == ["exchanged", "audited", "voted"] and min(phases.values()) >= 0, phases
+            assert sum(phases.values()) <= r.last.allreduce_seconds
     finally:
         await stop_peers(peers)
 
