@@ -23,10 +23,17 @@ links (`ss -ti`), and flows through the shapers stalled for 100 ms at a time
 bbr, 13.3-14.6 s with cubic).
 `congestion="bbr"` measures that case on purpose.
 
-The testbed models bandwidth only. The kernel here has no netem, and a
-user-space delay line would cost the 2-core machine the CPU it measures with;
-the round-trip time is that of veth (tens of microseconds) plus whatever the
-shapers' queues hold (at most QUEUE_LATENCY per shaper).
+By default the testbed models bandwidth only: the round-trip time is that of
+veth (tens of microseconds) plus whatever the shapers' queues hold (at most
+QUEUE_LATENCY per shaper). A host given a `delay`, `jitter` or `loss` gets a
+WAN link instead (TAP devices and a user-space delay line, since the kernel
+here has no netem), and hosts listed in `nat` sit behind a NAT router
+namespace `<prefix>-r<i>`: see scripts/wanlink.py and docs/testbed.md.
+Rates may differ per direction (`up_rates`, `down_rates`).
+
+Every host's TCP buffer limits (tcp_wmem/tcp_rmem) are set too, for the same
+reason as the congestion control: by default raised so that one stream can
+fill a long fat link, or Linux's stock values with `tcp_buffers="stock"`.
 
 A testbed belongs to the process that created it: a marker file
 /run/gonka-testbed/<prefix>.json holds the creator's pid (and its start time,
@@ -51,6 +58,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import delayline
+import wanlink
 
 MARKER_DIR = Path("/run/gonka-testbed")
 SUBNET = "10.77.0."  # private /24 that exists only inside the testbed's namespaces
@@ -207,7 +217,7 @@ def owner_state(marker: dict) -> str:
 
 def _is_ours(prefix: str, ns: object) -> bool:
     # Marker contents come from a file anyone root could edit: delete only names of this prefix's shape.
-    return isinstance(ns, str) and re.fullmatch(re.escape(prefix) + r"-(sw|h\d+)", ns) is not None
+    return isinstance(ns, str) and re.fullmatch(re.escape(prefix) + r"-(sw|h\d+|r\d+)", ns) is not None
 
 
 def list_testbeds() -> list[dict]:
@@ -291,28 +301,60 @@ def _on_signal(signum: int, frame) -> None:
 # ---- the testbed ------------------------------------------------------------------
 
 
+def _per_host(value, hosts: int, what: str) -> list:
+    """One value for every host, or a list with one per host."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != hosts:
+            raise ValueError(f"{what} has {len(value)} entries for {hosts} hosts")
+        return list(value)
+    return [value] * hosts
+
+
 class Testbed:
-    """N hosts in network namespaces behind a bridge, each link shaped to its rate both ways."""
+    """N hosts in network namespaces behind a bridge, each link shaped to its rates, optionally with WAN delay,
+    jitter and loss, optionally behind NAT.
+
+    rate/rates: each host's cap both ways (tc units: 100mbit); up_rates/down_rates override one direction.
+    delay, jitter: each host's share of the RTT and its spread ("50ms", or seconds), one for all or one per host.
+    loss: probability that a frame is dropped, each direction of the host's link, one or one per host.
+    nat: indices of hosts behind a NAT router. tcp_buffers: "raised" (default) or "stock" (wanlink.TCP_BUFFERS).
+    """
 
     __test__ = False  # not a pytest test class
 
     def __init__(self, hosts: int, rate: str = "100mbit", rates: list[str] | None = None,
                  prefix: str = "gnk", burst: str | None = None, force: bool = False,
-                 congestion: str = DEFAULT_CONGESTION):
+                 congestion: str = DEFAULT_CONGESTION, *, up_rates: list[str] | None = None,
+                 down_rates: list[str] | None = None, delay: str | float | list = 0, jitter: str | float | list = 0,
+                 loss: float | list = 0.0, nat: list[int] = (), tcp_buffers: str = "raised"):
         if not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be 1-{MAX_HOSTS}, got {hosts!r}")
         if not isinstance(prefix, str) or len(prefix) > 24 or not _PREFIX.fullmatch(prefix):
             raise ValueError(f"prefix must be 1-24 characters of a-z 0-9 and inner dashes, "
                              f"starting with a letter, got {prefix!r}")
-        rates = list(rates) if rates is not None else [rate] * hosts
-        if len(rates) != hosts:
-            raise ValueError(f"rates has {len(rates)} entries for {hosts} hosts")
+        rates = _per_host(list(rates) if rates is not None else rate, hosts, "rates")
+        ups = _per_host(list(up_rates) if up_rates is not None else rates, hosts, "up_rates")
+        downs = _per_host(list(down_rates) if down_rates is not None else rates, hosts, "down_rates")
+        delays = [wanlink.parse_duration(d, "delay") for d in _per_host(delay, hosts, "delay")]
+        jitters = [wanlink.parse_duration(j, "jitter") for j in _per_host(jitter, hosts, "jitter")]
+        losses = _per_host(loss, hosts, "loss")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in losses):
+            raise ValueError(f"loss must be a fraction in [0, 1) (0.01 is 1%), got {loss!r}")
+        nat = sorted(set(nat))
+        if not all(isinstance(i, int) and 0 <= i < hosts for i in nat):
+            raise ValueError(f"nat must list host indices 0-{hosts - 1}, got {nat!r}")
+        if tcp_buffers not in wanlink.TCP_BUFFERS:
+            raise ValueError(f"tcp_buffers must be one of {', '.join(wanlink.TCP_BUFFERS)}, got {tcp_buffers!r}")
         self.prefix = prefix
-        self.rates = [parse_rate(r) for r in rates]  # bits/s per host
+        self.links = [wanlink.Link(up_rate=parse_rate(u), down_rate=parse_rate(d), delay=dl, jitter=j, loss=float(ls))
+                      for u, d, dl, j, ls in zip(ups, downs, delays, jitters, losses)]
+        self.nat = nat
+        self.tcp_buffers = tcp_buffers
         self._burst = parse_size(burst) if burst is not None else None
         self.congestion = check_congestion(congestion)
         self.force = force
         self._hosts = hosts
+        self._delay_lines: dict[int, subprocess.Popen] = {}  # host -> its link's delay line
         self._created: list[str] = []  # namespaces this instance made, in creation order
         self._procs: list[subprocess.Popen] = []
         self._owner = False  # holds the marker, so down() must clean up
@@ -330,13 +372,60 @@ class Testbed:
         self._check_host(i)
         return f"{self.prefix}-h{i}"
 
+    def router(self, i: int) -> str:
+        """The namespace of host i's NAT router (only for hosts in ``nat``)."""
+        self._check_host(i)
+        if i not in self.nat:
+            raise ValueError(f"host {i} is not behind NAT")
+        return f"{self.prefix}-r{i}"
+
     def host_ip(self, i: int) -> str:
+        """The address the other hosts reach host i at (its NAT router's, for a host behind NAT)."""
         self._check_host(i)
         return f"{SUBNET}{FIRST_HOST + i}"
 
-    def burst(self, i: int) -> int:
-        """The tbf bucket of host i's two shapers, in bytes."""
-        return self._burst if self._burst is not None else burst_for(self.rates[i])
+    def local_ip(self, i: int) -> str:
+        """The address on host i's own eth0, the one to listen on: host_ip(i), or its private one behind NAT."""
+        self._check_host(i)
+        return f"{wanlink.NAT_SUBNET.format(i=i)}2" if i in self.nat else self.host_ip(i)
+
+    @property
+    def rates(self) -> list[int]:
+        """Each host's slower direction in bits/s (its rate, when both ways are the same)."""
+        return [min(link.up_rate, link.down_rate) for link in self.links]
+
+    @property
+    def up_rates(self) -> list[int]:
+        return [link.up_rate for link in self.links]
+
+    @property
+    def down_rates(self) -> list[int]:
+        return [link.down_rate for link in self.links]
+
+    def nominal_rate(self, src: int, dst: int) -> int:
+        """The rate of the path src -> dst: the slower of src's upload and dst's download, bits/s."""
+        return min(self.links[src].up_rate, self.links[dst].down_rate)
+
+    def rtt(self, i: int, j: int) -> float:
+        """The nominal round-trip time between hosts i and j in seconds, without jitter or queueing."""
+        return self.links[i].delay + self.links[j].delay
+
+    def burst(self, rate_bps: int) -> int:
+        """The tbf bucket of a shaper at this rate, in bytes."""
+        return self._burst if self._burst is not None else burst_for(rate_bps)
+
+    def link_stats(self, i: int) -> dict | None:
+        """The counters of host i's delay line (frames in, out, dropped by reason, per direction "up" and
+        "down"), or None for a plain link."""
+        proc = self._delay_lines.get(i)
+        if proc is None:
+            return None
+        return delayline.stats(proc.pid, self._files / f"port{i}.json")
+
+    @property
+    def _files(self) -> Path:
+        """Where the delay lines write their counters and logs; removed at down()."""
+        return MARKER_DIR / f"{self.prefix}.links"
 
     def _check_host(self, i: int) -> None:
         if not isinstance(i, int) or not 0 <= i < self._hosts:
@@ -365,7 +454,8 @@ class Testbed:
                          "kept": "`scripts/testbed up` (remove it with `scripts/testbed down`)",
                          "dead": f"process {marker.get('pid')}, which died (force=True / --force removes it)"}[state]
                 raise TestbedError(f"testbed {self.prefix!r} already exists, created by {owner}")
-        names = [self.switch] + [f"{self.prefix}-h{i}" for i in range(self._hosts)]
+        names = ([self.switch] + [f"{self.prefix}-h{i}" for i in range(self._hosts)]
+                 + [f"{self.prefix}-r{i}" for i in self.nat])
         taken = sorted(set(names) & set(list_namespaces()))
         if taken:
             raise TestbedError(f"namespaces {', '.join(taken)} already exist and this testbed did not create "
@@ -379,6 +469,9 @@ class Testbed:
         self._save_marker()
         _register(self)
         try:
+            if self.nat and shutil.which("nft") is None:
+                raise TestbedError("hosts behind NAT need nft (Debian package nftables; scripts/setup installs it)")
+            self._files.mkdir(parents=True, exist_ok=True)
             self._add_namespace(self.switch)
             _cmd("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
             _cmd("ip", "-n", self.switch, "link", "set", "br0", "up")
@@ -402,28 +495,37 @@ class Testbed:
         _cmd("ip", "-n", ns, "link", "set", "lo", "up")
 
     def _add_host(self, i: int) -> None:
-        ns, port = self.namespace(i), f"port{i}"
+        ns, link = self.namespace(i), self.links[i]
         self._add_namespace(ns)
-        # Created directly inside the two namespaces: the root namespace never sees the veth.
-        _cmd("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
-        _cmd("ip", "-n", self.switch, "link", "set", port, "master", "br0")
-        _cmd("ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0")
-        # One segment per packet: with veth's default segmentation offload TCP hands tbf 64 KiB
-        # packets; then a downloading host's shaper dropped whole bursts, TCP stalled on
-        # retransmission timeouts and a 10mbit download measured 4.4 Mbit/s in half the runs.
-        _cmd("ip", "-n", ns, "link", "set", "dev", "eth0", "gso_max_segs", "1")
-        shaper = ["root", "tbf", "rate", f"{self.rates[i]}bit", "burst", str(self.burst(i)), "latency", QUEUE_LATENCY]
-        _cmd("tc", "-n", ns, "qdisc", "replace", "dev", "eth0", *shaper)  # upload
-        _cmd("tc", "-n", self.switch, "qdisc", "replace", "dev", port, *shaper)  # download
-        _cmd("ip", "-n", self.switch, "link", "set", port, "up")
-        _cmd("ip", "-n", ns, "link", "set", "eth0", "up")
-        # The connected route again, with the congestion control every TCP connection of this host uses.
-        _cmd("ip", "-n", ns, "route", "replace", f"{SUBNET}0/24", "dev", "eth0", "proto", "kernel", "scope", "link",
-             "src", self.host_ip(i), "congctl", self.congestion)
+        wan = ns  # the namespace holding the host's public address and its shaped link
+        if i in self.nat:
+            wan = self.router(i)
+            self._add_namespace(wan)
+        upload, download = (["root", "tbf", "rate", f"{rate}bit", "burst", str(self.burst(rate)), "latency",
+                             QUEUE_LATENCY] for rate in (link.up_rate, link.down_rate))
+        proc = wanlink.add_link(_cmd, link, wan, self.switch, f"port{i}", upload, download, self._files,
+                                seed=int.from_bytes(os.urandom(8), "little"))
+        if proc is not None:
+            self._procs.append(proc)
+            self._delay_lines[i] = proc
+        _cmd("ip", "-n", wan, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0")
+        _cmd("ip", "-n", wan, "link", "set", "eth0", "up")
+        wanlink.set_tcp_buffers(_cmd, ns, self.tcp_buffers)
+        # The host's route to the others again, with the congestion control every TCP connection of it uses.
+        if i in self.nat:
+            wanlink.add_router(_cmd, wan, ns, i)
+            _cmd("ip", "-n", ns, "route", "replace", "default", "via", f"{wanlink.NAT_SUBNET.format(i=i)}1",
+                 "dev", "eth0", "congctl", self.congestion)
+        else:
+            _cmd("ip", "-n", ns, "route", "replace", f"{SUBNET}0/24", "dev", "eth0", "proto", "kernel", "scope",
+                 "link", "src", self.host_ip(i), "congctl", self.congestion)
 
     def _save_marker(self) -> None:
         data = {"pid": os.getpid(), "start": _start_time(os.getpid()), "kept": False, "hosts": self._hosts,
-                "rates": [f"{r}bit" for r in self.rates], "congestion": self.congestion,
+                "rates": [f"{r}bit" for r in self.rates], "up_rates": [f"{r}bit" for r in self.up_rates],
+                "down_rates": [f"{r}bit" for r in self.down_rates], "delays": [k.delay for k in self.links],
+                "jitters": [k.jitter for k in self.links], "losses": [k.loss for k in self.links], "nat": self.nat,
+                "tcp_buffers": self.tcp_buffers, "congestion": self.congestion,
                 "ips": [self.host_ip(i) for i in range(self._hosts)],
                 "namespaces": self._created, "created": time.time()}
         if self._kept:
@@ -435,6 +537,8 @@ class Testbed:
     def keep(self) -> None:
         """Leave the testbed up after this process exits; `scripts/testbed down` removes it."""
         assert self._owner, "keep() of a testbed that is not up"
+        for i, proc in self._delay_lines.items():  # they would die with this process; `testbed down` kills them
+            delayline.stats(proc.pid, self._files / f"port{i}.json", detach=True)
         self._kept = True
         self._save_marker()
         _unregister(self)
@@ -469,7 +573,9 @@ class Testbed:
                 if ns in list_namespaces():
                     errors.append(str(exc))
         self._created = []
+        self._delay_lines = {}
         try:
+            shutil.rmtree(self._files, ignore_errors=True)
             _marker_path(self.prefix).unlink(missing_ok=True)
         except OSError as exc:
             errors.append(f"removing {_marker_path(self.prefix)}: {exc}")
