@@ -26,7 +26,7 @@ from node.config import Config
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
 from p2p.swarm import parse_observed
-from p2p.tcpbuffers import TcpBuffers
+from p2p.tcpsettings import TcpSettings
 
 log = logging.getLogger("gonka.node")
 
@@ -120,8 +120,8 @@ class Node:
             if self.metrics.bound_port is not None:
                 host = cfg.node.metrics_addr.rsplit(":", 1)[0]
                 self._tell(f"metrics on http://{host}:{self.metrics.bound_port}/metrics")
-            buffers = TcpBuffers.read()
-            if buffers is not None and (advice := buffers.warning()) is not None:
+            tcp = TcpSettings.read()
+            for advice in tcp.warnings() if tcp is not None else ():
                 log.warning("%s", advice)
             checks = self._start_background_checks()
             try:
