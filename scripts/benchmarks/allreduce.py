@@ -64,9 +64,9 @@ from .options import non_negative_int, positive_int
 ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
-COLUMNS = ["system", "codec", "peers", "link_mbit", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
+COLUMNS = ["system", "codec", "peers", "link_mbit", "rtt_ms", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
            "seconds", "commit_s", "allreduce_s", "bound_seconds", "ratio_to_bound", "gather_s", "exchanged_s", "audited_s",
-           "voted_s", "outside_s", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
+           "voted_s", "outside_s", "outside_rtts", "first_sync_aborted", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
 # Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
 # Float codecs round twice (contribution, then average); block codecs lose up to half a level.
 TOLERANCE = {"fp32": 1e-6, "none": 1e-6, "fp16": 2e-3, "float16": 2e-3, "bf16": 1.5e-2,
@@ -125,6 +125,36 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "not share cores (default: peers share every CPU)")
     group.add_argument("--peer-timeout", type=float,
                        help="seconds each peer process may live (default: from the size, rate and repeats)")
+    # The WAN testbed (docs/testbed.md): every host half the RTT from the switch, so any two are RTT apart.
+    group.add_argument("--rtt", type=non_negative_float, default=0.0,
+                       help="round-trip time between any two hosts, ms (default 0: the LAN testbed)")
+    group.add_argument("--jitter", type=non_negative_float, default=0.0,
+                       help="extra random delay on that round trip, up to this many ms (default 0)")
+    group.add_argument("--loss", type=non_negative_float, default=0.0,
+                       help="percent of packets lost between two hosts, each way (default 0)")
+    group.add_argument("--tcp-buffers", choices=("raised", "stock"), default="raised",
+                       help="the hosts' TCP buffer limits: raised to cover 1 Gbit/s at 250 ms (default, as the "
+                            "images set them) or Linux's stock ones")
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def wan_settings(args) -> dict:
+    """The Testbed arguments of --rtt, --jitter, --loss and --tcp-buffers. A path crosses two hosts'
+    links, so each link direction gets half the delay and jitter and loses 1 - sqrt(1 - loss)."""
+    loss = getattr(args, "loss", 0.0) / 100
+    if loss >= 1:
+        raise ValueError(f"--loss must be below 100 percent, got {args.loss}")
+    return {"delay": getattr(args, "rtt", 0.0) / 2000, "jitter": getattr(args, "jitter", 0.0) / 2000,
+            "loss": 1 - (1 - loss) ** 0.5, "tcp_buffers": getattr(args, "tcp_buffers", "raised")}
 
 
 # ---- what to run ---------------------------------------------------------------------
@@ -187,7 +217,7 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
                OMP_NUM_THREADS="1")
     try:
         with netbed.Testbed(args.peers, rate=args.rate, prefix=f"ar{os.getpid()}-{tag}",
-                            congestion=args.congestion) as tb:
+                            congestion=args.congestion, **wan_settings(args)) as tb:
             procs, logs = [], []
             for i in range(args.peers):  # peer 0 first: the others bootstrap from it
                 log = workdir / f"peer{i}.log"
@@ -288,6 +318,10 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         **steps,
         # Everything but the exchange itself: the gather, group formation, audits, the vote, the decode.
         "outside_s": seconds - steps["exchanged_s"] if "exchanged_s" in steps else None,
+        "outside_rtts": ((seconds - steps["exchanged_s"]) / (args.rtt / 1000)
+                         if "exchanged_s" in steps and getattr(args, "rtt", 0) else None),
+        "rtt_ms": getattr(args, "rtt", 0.0),
+        "first_sync_aborted": max((p["first_sync_aborted"] for p in peers if "first_sync_aborted" in p), default=None),
         "identical": identical,
         "rel_error": rel_error,
         "within_tol": rel_error <= TOLERANCE.get(codec, 1.0),
@@ -358,11 +392,14 @@ def run(args: argparse.Namespace) -> dict:
                          f"{TOLERANCE.get(codec)}")
     png = args.out / "allreduce.png"
     plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each"
+                    f"{f', {args.rtt:g} ms RTT' if args.rtt else ''}{f', {args.loss:g}% loss' if args.loss else ''}"
                     f"{', one CPU each' if args.pin else ''} "
                     f"(TCP {args.congestion}{', error feedback' if args.error_feedback else ''})")
     notes.append(f"plot: {png}")
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "plot": str(png),
             "config": {"peers": args.peers, "pin": args.pin, "rate": args.rate, "congestion": args.congestion,
+                       "rtt_ms": args.rtt, "jitter_ms": args.jitter, "loss_percent": args.loss,
+                       "tcp_buffers": args.tcp_buffers,
                        "error_feedback": args.error_feedback, "params": args.params,
                        "repeats": args.repeats, "warmup": args.warmup, "peer_timeout": timeout, "tolerance": TOLERANCE},
             "load_average": os.getloadavg(), "peers_raw": raw}

@@ -214,7 +214,10 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
                             "digest": digest(result), "aborted": aborted})
         # Leave only once everyone is done: a member that closes early could fail a slow vote.
         await abarrier(workdir, "done", args.index, args.peers, deadline)
-        return {"repeats": repeats[args.warmup :], **check_result(result, args, rounds.aggregator)}
+        # The very first sync's aborted attempts, warm-up or not: peers that start together must
+        # commit their first round at the first attempt, however far apart they are.
+        return {"repeats": repeats[args.warmup :], "first_sync_aborted": len(repeats[0]["aborted"]),
+                **check_result(result, args, rounds.aggregator)}
     finally:
         await swarm.close()
 
