@@ -56,6 +56,8 @@ def parse_duration(value: str | float, what: str = "delay") -> float:
     """'50ms' -> 0.05 seconds (units us, ms, s; a bare number is seconds); ValueError if malformed."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
+    elif isinstance(value, str) and value.strip() == "0":
+        seconds = 0.0
     else:
         m = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
         if m is None:
