@@ -36,9 +36,13 @@ MAX_DELAY = 10.0  # seconds of one host's share of the RTT
 # stream fill 1 Gbit/s at 500 ms RTT (a 62.5 MB bandwidth-delay product); "stock" is Linux's own defaults,
 # set explicitly because a new namespace inherits the machine's values. net.core.wmem_max/rmem_max (the cap of
 # an explicit SO_SNDBUF/SO_RCVBUF) are read-only outside the root namespace, which the testbed never touches.
+# "raised" also keeps a connection's window through idle gaps (no slow start after idle): both are
+# what a node advises at start and the images set (p2p/tcpsettings.py ADVISED; a test keeps them equal).
 TCP_BUFFERS = {
-    "raised": ("4096 16384 67108864", "4096 131072 67108864"),
-    "stock": ("4096 16384 4194304", "4096 131072 6291456"),
+    "raised": {"net.ipv4.tcp_wmem": "4096 16384 67108864", "net.ipv4.tcp_rmem": "4096 131072 67108864",
+               "net.ipv4.tcp_slow_start_after_idle": "0"},
+    "stock": {"net.ipv4.tcp_wmem": "4096 16384 4194304", "net.ipv4.tcp_rmem": "4096 131072 6291456",
+              "net.ipv4.tcp_slow_start_after_idle": "1"},
 }
 NAT_RULES = """table ip gonka_nat {{
   chain postrouting {{ type nat hook postrouting priority srcnat; oifname "{wan}" masquerade; }}
@@ -138,5 +142,4 @@ def add_router(cmd: Cmd, router: str, host: str, i: int) -> None:
 
 
 def set_tcp_buffers(cmd: Cmd, ns: str, buffers: str) -> None:
-    wmem, rmem = TCP_BUFFERS[buffers]
-    cmd("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_wmem={wmem}", f"net.ipv4.tcp_rmem={rmem}")
+    cmd("ip", "netns", "exec", ns, "sysctl", "-qw", *(f"{key}={value}" for key, value in TCP_BUFFERS[buffers].items()))

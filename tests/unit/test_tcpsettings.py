@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2p.tcpsettings import ADVISED_MAX, PLAN_RATE, PLAN_RTT, TcpSettings
+from p2p.tcpsettings import ADVISED, ADVISED_MAX, PLAN_RATE, PLAN_RTT, TcpSettings
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -30,6 +30,17 @@ def test_the_advised_settings_fill_the_planned_link_and_say_nothing(tmp_path):
     assert advised.cap(PLAN_RTT) >= PLAN_RATE and advised.warnings() == []
     # A receive limit below the send limit caps the connection just the same.
     assert len(settings(tmp_path, f"4096 16384 {ADVISED_MAX}", "4096 131072 4194304").warnings()) == 1
+
+
+def test_the_wan_testbed_raises_exactly_what_the_node_advises():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import wanlink
+
+    assert wanlink.TCP_BUFFERS["raised"] == ADVISED
+    assert wanlink.TCP_BUFFERS["stock"].keys() == ADVISED.keys()
 
 
 def test_unreadable_settings_are_no_answer(tmp_path):
