@@ -133,7 +133,10 @@ def _tcp_send(host: str, port: int, seconds: float, max_bytes: int, sndbuf: int)
         while sent < max_bytes and time.monotonic() < end:
             sent += sock.send(payload[: max_bytes - sent])
         sock.shutdown(socket.SHUT_WR)
-        sock.recv(1)  # the receiver closes after EOF: by then everything sent has arrived
+        try:
+            sock.recv(1)  # the receiver closes after EOF: by then everything sent has arrived
+        except TimeoutError:
+            pass  # a link that barely moves (heavy loss): the receiver reports what came at its own deadline
 
 
 def _checksum(data: bytes) -> int:
