@@ -26,6 +26,7 @@ from node.config import Config
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
 from p2p.swarm import parse_observed
+from p2p.reachability import CHECK_INTERVAL
 from p2p.tcpsettings import TcpSettings
 
 log = logging.getLogger("gonka.node")
@@ -145,9 +146,11 @@ class Node:
         return code
 
     def _start_background_checks(self) -> list[asyncio.Task]:
-        """data.verify = background: hash the token shards while training."""
+        """Whether peers can dial this node, asked now and then; with data.verify = background, hash
+        the token shards while training."""
+        tasks = [asyncio.create_task(self._check_reachability(), name="reachability")]
         if self.config.data.verify != "background" or not hasattr(self.corpus, "verify"):
-            return []
+            return tasks
         stop = threading.Event()
 
         async def verify() -> None:
@@ -168,7 +171,26 @@ class Node:
                 return
             log.info("data verified: every shard matches its manifest sha256 (%.1fs)", time.monotonic() - started)
 
-        return [asyncio.create_task(verify(), name="verify-data")]
+        return tasks + [asyncio.create_task(verify(), name="verify-data")]
+
+    async def _check_reachability(self) -> None:
+        """Ask peers to dial us back (p2p/reachability.py): as soon as the table shows a peer, again
+        while nobody has answered, then every CHECK_INTERVAL."""
+        reachability = self.loop_.rounds.reachability
+        while True:
+            if self.swarm.peers:
+                try:
+                    found = await reachability.check()
+                except Exception as e:  # the check informs the operator; it must never stop the node
+                    log.debug("reachability check failed: %r", e)
+                    found = None
+                if found is not None and found != self.status.reachable:
+                    self.status.reachable = found
+                    self.metrics.reachable.set(1 if found else 0)
+                    self.write_status()
+                await asyncio.sleep(CHECK_INTERVAL if found is not None else 3 * self.config.swarm.heartbeat_interval)
+            else:
+                await asyncio.sleep(self.config.swarm.heartbeat_interval)
 
     def _remove_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

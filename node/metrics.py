@@ -134,6 +134,10 @@ class NodeMetrics:
             registry=r,
         )
         self.peers = Gauge("gonka_node_peers", "Live swarm peers known to this node, itself included.", registry=r)
+        self.reachable = Gauge("gonka_node_reachable", "1 if other peers can dial this node (most of those asked "
+                               "dialled it back), 0 if not (behind NAT or a firewall), -1 until they answered.",
+                               registry=r)
+        self.reachable.set(-1)
         self.round_members = Gauge(
             "gonka_node_round_members", "Peers that took part in the last round's all-reduce, this node included.", registry=r
         )

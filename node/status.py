@@ -32,6 +32,8 @@ class Status:
     multiaddrs: list[str] = field(default_factory=list)
     # Members of the last committed round.
     last_round_members: int = 0
+    # Whether other peers can dial this node (p2p/reachability.py); None until peers have answered.
+    reachable: bool | None = None
     started_at: float = field(default_factory=time.time)
 
     def to_json(self) -> dict:

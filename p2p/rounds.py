@@ -41,6 +41,7 @@ from p2p.group import Group, RoundFailed
 from p2p.limits import BoundedDict
 from p2p.quarantine import UNREACHABLE, Quarantine, Refusals
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum, shunned
+from p2p.reachability import Reachability
 from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, combined_digest, guarded, shard_names
 from p2p.signing import CommitSigning
 from p2p.swarm import Swarm
@@ -49,7 +50,7 @@ from p2p.wire import SMALL_HEADER_BYTES, WireError, field as hfield, reply
 log = logging.getLogger(__name__)
 
 # The control plane's requests; a shard's all-reduce and audit are its own (p2p/shard.py).
-CONTROL_REQUESTS = ("begin", "vote", "ready", "sign", "refuse")
+CONTROL_REQUESTS = ("begin", "vote", "ready", "sign", "refuse", "dialback")
 
 POLL_SECONDS = 0.25
 WAIT_REPORT_SECONDS = 15.0  # how often a long gather says what it is waiting for
@@ -130,6 +131,10 @@ class RoundProtocol:
         self._unverified: BoundedDict = BoundedDict(4096)
         self.last = RoundOutcome("none")
         self._flood_task: asyncio.Task | None = None
+        # Whether peers can dial this node (p2p/reachability.py); asked by the node, answered here.
+        self.reachability = Reachability(swarm, lambda peer, header, timeout: self._call(peer, "dialback", header,
+                                                                                         timeout),
+                                         cfg.request_timeout)
 
     async def start(self) -> None:
         kernels = getattr(self.codec, "kernels", None)
@@ -672,6 +677,9 @@ class RoundProtocol:
         else:
             group.add_vote(index, hfield(header, "digest", bytes))
         await reply(writer, {"ok": True})
+
+    async def _on_dialback(self, sender: str, header: dict, reader, writer) -> None:
+        await self.reachability.on_dialback(sender, header, reader, writer)
 
     async def _on_sign(self, sender: str, header: dict, reader, writer) -> None:
         """A member's signature on the certificate of a round we committed together (p2p/signing.py)."""

@@ -1,0 +1,55 @@
+"""Whether peers can dial this node: the decision, the addresses dialled, and the check between
+in-process peers over real p2pd daemons on loopback."""
+
+import asyncio
+import socket
+
+import pytest
+
+from p2p.reachability import MAX_ADDRESSES, tcp_endpoints, verdict
+from tests.unit.test_rounds import start_peers, stop_peers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_only_tcp_addresses_of_ip_literals_are_dialled_at_most_four():
+    maddrs = ["/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWabc", "/ip4/10.0.0.1/tcp/31337", "/ip6/::1/tcp/4001",
+              "/dns4/example.org/tcp/1", "/ip4/10.0.0.2/udp/9/quic", "/ip4/999.1.1.1/tcp/5", "/ip4/10.0.0.3/tcp/0",
+              "/ip4/10.0.0.4/tcp/70000", 17, "/ip4/10.0.0.5/tcp/1", "/ip4/10.0.0.6/tcp/2", "/ip4/10.0.0.7/tcp/3"]
+    assert tcp_endpoints(maddrs) == [("10.0.0.1", 31337), ("::1", 4001), ("10.0.0.5", 1), ("10.0.0.6", 2)]
+    assert len(tcp_endpoints([f"/ip4/10.0.0.{i}/tcp/1" for i in range(10)])) == MAX_ADDRESSES
+
+
+def test_a_strict_majority_of_answers_decides_and_none_is_unknown():
+    assert verdict([]) is None
+    assert verdict([True]) is True and verdict([False]) is False
+    assert verdict([True, False]) is False  # a tie is no proof
+    assert verdict([True, True, False]) is True
+
+
+def closed_port() -> int:
+    with socket.socket() as s:  # bound, then closed: nothing listens there now
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_peers_dial_back_what_a_node_announces():
+    peers = await start_peers(3)
+    try:
+        (a, ra, _), (b, rb, _), (c, rc, _) = peers
+        async with asyncio.timeout(30):
+            while min([len(await s.refresh_peers()) for s, _, _ in peers]) < 2:
+                await asyncio.sleep(0.1)
+        assert await ra.reachability.check() is True
+        # c announces an address nothing listens on (what a peer behind NAT announces, in effect).
+        c.maddrs = [f"/ip4/127.0.0.1/tcp/{closed_port()}"]
+        c.announce(step=1)
+        async with asyncio.timeout(30):
+            while any(s.peers[c.peer_id].maddrs != tuple(c.maddrs) for s in (a, b)):
+                await asyncio.gather(a.refresh_peers(), b.refresh_peers())
+                await asyncio.sleep(0.1)
+        assert await rc.reachability.check() is False
+        # Asked again at once, a peer does not dial again: no answer, so the verdict stands.
+        assert await rc.reachability.check() is False
+    finally:
+        await stop_peers(peers)
