@@ -229,7 +229,8 @@ class RankFollower:
         from p2p.group import RoundFailed
 
         gid = h["g"]
-        group = self.plane.new_group(gid, int(h["r"]), list(h["members"]), self.flat, float(h["w"]))
+        group = self.plane.new_group(gid, int(h["r"]), list(h["members"]), self.flat, float(h["w"]),
+                                     lanes=int(h["lanes"]))
         self.plane.install(group)
         self.groups[gid] = group
         deadline = asyncio.get_running_loop().time() + float(h["t"])

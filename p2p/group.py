@@ -52,6 +52,20 @@ from p2p.compression import CommittedAverage, average_part, part_bounds, piece_b
 # download was full saw its uploads stall for seconds with nothing queued in TCP (Send-Q 0):
 # the stream's flow-control updates came back through that full download queue.
 LANES = 4
+# Far apart, more: every round's part streams are new, and a new libp2p (yamux) stream may have
+# only 256 KiB in flight per round trip until its window grows. On the WAN testbed at 250 ms one
+# new stream moved 16 MiB at 32-43 Mbit/s, 16 streams at 79 (one TCP stream: 95.6). A group's
+# lanes keep 4 lanes' first window per 50 ms of round-trip time (``lanes_for_rtt``), up to
+# MAX_LANES: at any RTT the first round trip carries what 4 lanes carry on a 50 ms path.
+MAX_LANES = 16
+LANE_RTT = 0.05
+
+
+def lanes_for_rtt(rtt: float | None) -> int:
+    """Lanes per member and part for a group whose farthest member is ``rtt`` seconds away."""
+    if rtt is None or rtt <= LANE_RTT:
+        return LANES
+    return min(MAX_LANES, LANES * math.ceil(rtt / LANE_RTT - 1e-9))
 
 # Values per piece (rounded down to whole codec blocks): 1 MB of fp32, 256 KB
 # of int8, 128 KB of a 4-bit codec. Measured on the 4-host 100 Mbit/s testbed
@@ -155,6 +169,7 @@ class Group:
     aggregator: str = "mean"
     weight_cap: float = 0.0
     hostile: Behaviour = HONEST  # test-only lies of this member (p2p/hostile.py)
+    lanes_per_part: int = LANES  # the group's lanes (``lanes``), chosen by its leader (``lanes_for_rtt``)
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
     failed_by: str | None = None  # the member whose stream to us the failure came on, if one did
@@ -170,6 +185,7 @@ class Group:
 
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
+        assert 1 <= self.lanes_per_part <= MAX_LANES
         assert self.flat.dtype == torch.float32 and self.flat.dim() == 1 and self.flat.is_contiguous()
         self.index = self.members.index(self.me)
         self.bounds = part_bounds(self.flat.numel(), len(self.members))
@@ -245,8 +261,9 @@ class Group:
         return sum(self.piece_bytes(index, k) for k in range(len(self.pieces[index])))
 
     def lanes(self, index: int) -> int:
-        """Streams per member for part ``index``: ``LANES``, fewer for a part of fewer pieces (at least 1)."""
-        return max(1, min(LANES, len(self.pieces[index])))
+        """Streams per member for part ``index``: the group's ``lanes_per_part``, fewer for a part of
+        fewer pieces (at least 1)."""
+        return max(1, min(self.lanes_per_part, len(self.pieces[index])))
 
     def lane_pieces(self, index: int, lane: int) -> range:
         """The pieces of part ``index`` that travel on ``lane``."""

@@ -37,7 +37,7 @@ from p2p.commits import CommitLog
 from p2p.compression import CommittedAverage, base_vector, flatten
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
-from p2p.group import Group, RoundFailed
+from p2p.group import MAX_LANES, Group, RoundFailed, lanes_for_rtt
 from p2p.limits import BoundedDict
 from p2p.quarantine import UNREACHABLE, Quarantine, Refusals
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum, shunned
@@ -489,14 +489,16 @@ class RoundProtocol:
         waiting = self._waiting
         if waiting.group.done():
             return waiting.group.result()
-        group = self._new_group(os.urandom(16), round, members, waiting)
+        others = [p for p in members if p != self.swarm.peer_id]
+        # As many lanes as the farthest member's round-trip time asks for (group.lanes_for_rtt).
+        lanes = lanes_for_rtt(max((r for r in map(self.dial.rtt, others) if r is not None), default=None))
+        group = self._new_group(os.urandom(16), round, members, waiting, lanes)
         self._install(group)
         waiting.group.set_result(group)
         for p in members:  # a hint counts once: after this attempt a member is ready again only when it says so
             self._ready_hints.pop(p, None)
-        others = [p for p in members if p != self.swarm.peer_id]
         header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
-                  "codec": self.codec.name, "h": waiting.state}
+                  "codec": self.codec.name, "h": waiting.state, "lanes": lanes}
         results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
         refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
         if not refused:
@@ -515,8 +517,9 @@ class RoundProtocol:
         self._waiting_set.set()
         return None
 
-    def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting) -> Group:
-        return self.plane.new_group(gid, round, members, waiting.flat, waiting.weight, residual_added=waiting.donated)
+    def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting, lanes: int) -> Group:
+        return self.plane.new_group(gid, round, members, waiting.flat, waiting.weight, residual_added=waiting.donated,
+                                    lanes=lanes)
 
     def _leave(self, group: Group) -> None:
         """The attempt is over: requests naming it are answered at once from now on."""
@@ -606,6 +609,9 @@ class RoundProtocol:
         members = hfield(header, "members", list)
         gid = hfield(header, "g", bytes)
         numel = hfield(header, "numel", int)
+        lanes = hfield(header, "lanes", int)
+        if not 1 <= lanes <= MAX_LANES:
+            raise WireError("bad_field", "lanes")
         if not all(isinstance(m, str) for m in members) or members != sorted(set(members)):
             raise WireError("bad_members")
         if sender != members[0] or self.swarm.peer_id not in members:
@@ -634,7 +640,7 @@ class RoundProtocol:
         if waiting.state and header.get("h") != waiting.state:  # another lineage of this round number
             await reply(writer, {"ok": False, "reason": "state_mismatch"})
             return
-        group = self._new_group(gid, round, members, waiting)
+        group = self._new_group(gid, round, members, waiting, lanes)
         self._install(group)
         waiting.group.set_result(group)
         await reply(writer, {"ok": True})

@@ -26,7 +26,7 @@ from p2p.audit import PartAudit
 from p2p.codecs import ErrorFeedback
 from p2p.compression import part_bounds
 from p2p.exchange import PartExchange, all_or_fail
-from p2p.group import Group, RoundFailed
+from p2p.group import LANES, Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
                       reply, write_frame)
@@ -52,8 +52,15 @@ def shard_names(scope: str, requests, shard: int | None) -> dict[str, str]:
     return {k: f"gonka.{scope}.{k}{suffix}" for k in requests}
 
 
+# Requests answered at once: a call's time is one round trip (and a stream's opening) plus
+# whatever the far end was busy with, so the least of a peer's last few is its round-trip time.
+PROMPT_REQUESTS = frozenset({"ready", "vote", "refuse"})
+RTT_SAMPLES = 8
+
+
 class Dialer:
-    """Requests out by name over one p2p handle: open a stream, send a frame, call and read."""
+    """Requests out by name over one p2p handle: open a stream, send a frame, call and read; and
+    each peer's round-trip time, as its prompt requests measure it (``rtt``)."""
 
     def __init__(self, p2p, names: dict[str, str], request_timeout: float, metrics,
                  connect_to: Callable | None = None) -> None:
@@ -64,6 +71,12 @@ class Dialer:
         self.request_timeout = request_timeout
         self.metrics = metrics
         self.connect_to = connect_to
+        self._rtts = BoundedDict(4096)  # peer -> seconds of its last RTT_SAMPLES prompt calls
+
+    def rtt(self, peer: str) -> float | None:
+        """The least time of ``peer``'s recent prompt calls (None before any): its round-trip time."""
+        samples = self._rtts.get(peer)
+        return min(samples) if samples else None
 
     async def open(self, peer: str, name: str):
         from p2p.swarm import peer_id_from
@@ -97,12 +110,17 @@ class Dialer:
             await close_writer(writer)
 
     async def call(self, peer: str, name: str, header: dict, timeout: float | None = None, max_payload: int = 0):
+        started = time.monotonic()
         _, reader, writer = await self.open(peer, name)
         try:
             self.metrics.sent_bytes.inc(await write_frame(writer, header))
-            return await read_frame(reader, timeout or self.request_timeout, max_payload=max_payload)
+            answer = await read_frame(reader, timeout or self.request_timeout, max_payload=max_payload)
         finally:
             await close_writer(writer)
+        if name in PROMPT_REQUESTS:
+            samples = self._rtts.get(peer) or []
+            self._rtts[peer] = [*samples[-(RTT_SAMPLES - 1):], time.monotonic() - started]
+        return answer
 
 
 def guarded(handler, *, streams, admits, reject, on_flood, limit: float, request_timeout: float,
@@ -226,7 +244,7 @@ class ShardPlane:
     # ---- groups --------------------------------------------------------------------
 
     def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float,
-                  residual_added: bool = True) -> Group:
+                  residual_added: bool = True, lanes: int = LANES) -> Group:
         """A group reducing ``flat``. ``residual_added``: error feedback's residual was folded into
         ``flat`` once, for every attempt of the round (``fold``: a donated pseudo-gradient, a
         rank's shard), and ``flat`` is the residual's vector now: the group works in place
@@ -243,7 +261,7 @@ class ShardPlane:
         in_place = residual is not None and residual is flat
         sent = None if self.codec.exact or in_place else self.buffer("sent", end - start)  # our own part only
         return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
-                     aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile)
+                     aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile, lanes_per_part=lanes)
 
     def install(self, group: Group) -> None:
         self.group = group

@@ -66,3 +66,30 @@ async def test_a_peer_met_through_the_dht_is_dialled_from_its_heartbeat_from_an_
         assert c_port not in to_b, (c_port, to_b)
     finally:
         await asyncio.gather(*(s.close() for s in (a, b, c) if s is not None))
+
+
+async def test_a_peers_round_trip_time_is_the_least_of_its_recent_prompt_calls():
+    # Two peers on loopback: a prompt request's call is a round trip; an answer held back by the
+    # far end (or a request that is not prompt) does not raise the estimate.
+    from p2p.rounds import RoundProtocol
+    from p2p.shard import RTT_SAMPLES
+
+    a = await start([])
+    b = None
+    try:
+        b = await start(a.maddrs)
+        ra, rb = RoundProtocol(a, NodeMetrics()), RoundProtocol(b, NodeMetrics())
+        await ra.start()
+        await rb.start()
+        assert ra.dial.rtt(b.peer_id) is None
+        for _ in range(3):
+            await ra.dial.call(b.peer_id, "ready", {"r": 0, "h": ""})
+        first = ra.dial.rtt(b.peer_id)
+        assert 0 < first < 1.0
+        ra.dial._rtts[b.peer_id].append(5.0)  # one slow answer among them: the least still stands
+        assert ra.dial.rtt(b.peer_id) == first
+        for _ in range(RTT_SAMPLES):  # only the last RTT_SAMPLES calls count
+            await ra.dial.call(b.peer_id, "ready", {"r": 0, "h": ""})
+        assert len(ra.dial._rtts[b.peer_id]) == RTT_SAMPLES and max(ra.dial._rtts[b.peer_id]) < 5.0
+    finally:
+        await asyncio.gather(*(s.close() for s in (a, b) if s is not None))

@@ -1,5 +1,6 @@
 """One averaging group's pure bookkeeping: parts, pieces, lanes, what encoding keeps, the vote (no network)."""
 
+import itertools
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import p2p.compression
 import p2p.group
 from p2p.codecs import get_codec
 from p2p.compression import flatten, part_bounds
-from p2p.group import Group, RoundFailed, digest, piece_digest
+from p2p.group import Group, RoundFailed, digest, lanes_for_rtt, piece_digest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,13 +59,20 @@ def test_encoding_keeps_what_receivers_decode_of_our_part_and_what_feedback_need
     assert not torch.isnan(sent).any()  # every value of our part was encoded
 
 
+def test_far_groups_get_more_lanes_so_a_new_streams_first_windows_still_fill_the_path():
+    # 4 lanes per 50 ms of the farthest member's round-trip time, up to 16; 4 when unknown.
+    assert [lanes_for_rtt(r) for r in (None, 0.0, 0.0004, 0.05, 0.051, 0.1, 0.15, 0.25, 2.0)] == \
+        [4, 4, 4, 4, 8, 8, 12, 16, 16]
+
+
 def test_every_piece_travels_on_exactly_one_lane_and_a_lane_opens_once(monkeypatch):
     monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
-    for numel in (4, 3 * 256, 40 * 256 + 3):  # parts of 1, 2 and ~14 pieces
-        group = Group(os.urandom(16), 0, ["a", "b", "c"], "a", torch.randn(numel), 1.0, get_codec("fp32"))
+    for numel, per_part in itertools.product((4, 3 * 256, 40 * 256 + 3), (4, 16)):  # 1, 2 and ~14 pieces a part
+        group = Group(os.urandom(16), 0, ["a", "b", "c"], "a", torch.randn(numel), 1.0, get_codec("fp32"),
+                      lanes_per_part=per_part)
         for j in range(3):
             lanes = group.lanes(j)
-            assert 1 <= lanes <= p2p.group.LANES and lanes <= max(1, len(group.pieces[j]))
+            assert 1 <= lanes <= per_part and lanes == min(per_part, max(1, len(group.pieces[j])))
             carried = sorted(k for lane in range(lanes) for k in group.lane_pieces(j, lane))
             assert carried == list(range(len(group.pieces[j])))
     group.add_lane(1, 0, 2.0)
