@@ -68,3 +68,37 @@ def test_three_nodes_100ms_apart_commit_every_round_at_the_first_attempt(tmp_pat
             text = logs[i].read_text()
             # Every round at its first attempt: no abort, nobody quarantined.
             assert not re.search(r"attempt \S+ with \d+ members aborted|quarantined peer", text), text[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_node_behind_nat_trains_with_the_swarm_and_knows_it_cannot_be_dialled(tmp_path):
+    # Node 2 sits behind a masquerading router: it dials out, nobody can dial it. Its peers reach
+    # it over the connections it opened (libp2p uses a connection both ways), so it is a member
+    # of every round; the others' dial-backs tell it that it cannot be dialled.
+    n = 3
+    logs = [tmp_path / f"node{i}.log" for i in range(n)]
+    status = [tmp_path / f"status-{i}.json" for i in range(n)]
+    with netbed.Testbed(n, rate="100mbit", delay=RTT / 2, nat=[2], prefix=prefix("nat")) as tb:
+        def start(i: int, *extra: str) -> subprocess.Popen:
+            with open(logs[i], "wb") as log:
+                return tb.run(i, [*node_args(status[i]), "--min-peers", str(n), "--listen",
+                                  f"/ip4/{tb.local_ip(i)}/tcp/31337", *extra],
+                              cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+
+        first = start(0)
+        addr = wait_for(lambda: re.search(r"^listening on (\S+)", logs[0].read_text(), re.M) or first.poll(), 90,
+                        "node 0 to listen")
+        assert first.poll() is None, logs[0].read_text()[-3000:]
+        peer_id = re.search(r"/p2p/(\w+)", addr.group(1)).group(1)
+        bootstrap = f"/ip4/{tb.host_ip(0)}/tcp/31337/p2p/{peer_id}"
+        nodes = [first, *(start(i, "--bootstrap", bootstrap) for i in range(1, n))]
+        deadline = time.monotonic() + 180
+        for i, node in enumerate(nodes):
+            try:
+                code = node.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code == 0, f"node {i} exit {code}:\n{logs[i].read_text()[-3000:]}"
+        final = [json.loads(s.read_text()) for s in status]
+        assert [s["round"] for s in final] == [2] * n and len({s["params_hash"] for s in final}) == 1, final
+        assert [s["reachable"] for s in final] == [True, True, False], final
