@@ -177,6 +177,7 @@ class Node:
         """Ask peers to dial us back (p2p/reachability.py): as soon as the table shows a peer, again
         while nobody has answered, then every CHECK_INTERVAL."""
         reachability = self.loop_.rounds.reachability
+        reachability.checking = True
         while True:
             if self.swarm.peers:
                 try:
@@ -188,9 +189,22 @@ class Node:
                     self.status.reachable = found
                     self.metrics.reachable.set(1 if found else 0)
                     self.write_status()
-                await asyncio.sleep(CHECK_INTERVAL if found is not None else 3 * self.config.swarm.heartbeat_interval)
+                if found is False:  # until the next check: our connections to the peers that can take them
+                    await self._stay_connected(reachability, CHECK_INTERVAL)
+                else:
+                    await asyncio.sleep(CHECK_INTERVAL if found else 3 * self.config.swarm.heartbeat_interval)
             else:
                 await asyncio.sleep(self.config.swarm.heartbeat_interval)
+
+    async def _stay_connected(self, reachability, seconds: float) -> None:
+        """Behind NAT, for ``seconds``: every heartbeat, a connection to each dialable peer."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            try:
+                await reachability.stay_connected()
+            except Exception as e:  # p2pd busy or restarting: next heartbeat
+                log.debug("keeping connections failed: %r", e)
+            await asyncio.sleep(self.config.swarm.heartbeat_interval)
 
     def _remove_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -230,7 +230,7 @@ class RankFollower:
 
         gid = h["g"]
         group = self.plane.new_group(gid, int(h["r"]), list(h["members"]), self.flat, float(h["w"]),
-                                     lanes=int(h["lanes"]))
+                                     lanes=int(h["lanes"]), owners=h.get("owners"))
         self.plane.install(group)
         self.groups[gid] = group
         deadline = asyncio.get_running_loop().time() + float(h["t"])

@@ -46,7 +46,8 @@ REASONS = frozenset({
     # the peer table (p2p/swarm.py)
     "bad_peer_table", "bad_peer_id", "bad_heartbeat", "bad_heartbeat_state", "bad_heartbeat_round",
     "bad_heartbeat_hash", "bad_heartbeat_step", "bad_heartbeat_round_tokens", "bad_heartbeat_loss",
-    "bad_heartbeat_maddrs", "bad_heartbeat_fingerprint", "bad_heartbeat_observed", "fingerprint_mismatch",
+    "bad_heartbeat_maddrs", "bad_heartbeat_fingerprint", "bad_heartbeat_observed", "bad_heartbeat_dial",
+    "fingerprint_mismatch",
     "peer_table_full",
     # trust: closed swarms, owner-bound records, certificates, bounded influence, quarantine
     "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "quarantined",

@@ -189,7 +189,8 @@ class HostShards:
         seconds = max(0.0, deadline - asyncio.get_running_loop().time())
         try:
             replies = await self.ranks.request("reduce", g=group.id, r=group.round, members=group.members,
-                                               w=group.weight, t=seconds, lanes=group.lanes_per_part)
+                                               w=group.weight, t=seconds, lanes=group.lanes_per_part,
+                                               owners=group.owners)
         except RankLost as e:
             raise RoundFailed("rank_lost", str(e)) from None
         digests = []

@@ -40,8 +40,8 @@ class PartAudit:
 
     async def check_when_placed(self, group: Group, others: list[str], deadline: float) -> None:
         """``check``, as soon as the part it samples is in: while the other parts still arrive."""
-        owner = (group.index - 1) % len(group.members)
-        for k in range(len(group.pieces[owner]) if owner != group.index else 0):
+        owner = group.audited_owner()
+        for k in range(len(group.pieces[owner]) if owner is not None else 0):
             await group.placed(owner, k, deadline)
         await self.check(group, others)
 

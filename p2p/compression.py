@@ -45,6 +45,20 @@ def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def owned_bounds(numel: int, owns: list[bool]) -> list[tuple[int, int]]:
+    """``part_bounds`` over the members that own a part (``owns``, in member order); the others get
+    an empty range at the start of the next owner's part. All own: exactly ``part_bounds``."""
+    shares = iter(part_bounds(numel, sum(owns)))
+    bounds, at = [], 0
+    for owner in owns:
+        if owner:
+            start, at = next(shares)
+            bounds.append((start, at))
+        else:
+            bounds.append((at, at))
+    return bounds
+
+
 def piece_bounds(start: int, end: int, codec: Codec, piece_elems: int) -> list[tuple[int, int]]:
     """Split the part [start, end) into pieces of ``piece_elems`` values, rounded down to whole codec
     blocks (at least one block); the last piece takes the rest. An empty part has no pieces."""

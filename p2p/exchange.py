@@ -43,7 +43,7 @@ class PartExchange:
         """Return once ``group.result`` holds the whole average (every member's part placed)."""
         group.deadline = deadline
         exchanges = [self._exchange(group, j, lane, deadline)
-                     for j in range(len(group.members)) if j != group.index for lane in range(group.lanes(j))]
+                     for j in group.owner_indices() if j != group.index for lane in range(group.lanes(j))]
         own = [self._contribute_own(group), group.all_reduced(deadline)]
         await all_or_fail([asyncio.ensure_future(c) for c in [*own, *exchanges]], group)
 

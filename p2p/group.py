@@ -43,7 +43,7 @@ import torch
 
 from p2p.hostile import HONEST, Behaviour
 from p2p.codecs import Codec, CodecError
-from p2p.compression import CommittedAverage, average_part, part_bounds, piece_bounds
+from p2p.compression import CommittedAverage, average_part, owned_bounds, piece_bounds
 
 # Streams ("lanes") a member opens to each other member for one part: lane l carries the
 # pieces k with k % lanes == l, both ways. Measured on the 4-host 100 Mbit/s testbed, fp32,
@@ -170,6 +170,10 @@ class Group:
     weight_cap: float = 0.0
     hostile: Behaviour = HONEST  # test-only lies of this member (p2p/hostile.py)
     lanes_per_part: int = LANES  # the group's lanes (``lanes``), chosen by its leader (``lanes_for_rtt``)
+    # The members that own a part (sorted; None: all), chosen by the leader, who is the first of
+    # them. A member that cannot be dialled (behind NAT) owns none: it only dials the owners, and
+    # no two such members ever need to meet (docs/wan.md, "NAT").
+    owners: list[str] | None = None
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
     failed_by: str | None = None  # the member whose stream to us the failure came on, if one did
@@ -188,7 +192,11 @@ class Group:
         assert 1 <= self.lanes_per_part <= MAX_LANES
         assert self.flat.dtype == torch.float32 and self.flat.dim() == 1 and self.flat.is_contiguous()
         self.index = self.members.index(self.me)
-        self.bounds = part_bounds(self.flat.numel(), len(self.members))
+        owners = set(self.members if self.owners is None else self.owners)
+        assert self.owners is None or (self.owners == sorted(owners) and owners <= set(self.members)
+                                       and 2 <= len(owners) < len(self.members))
+        self.owns = [m in owners for m in self.members]  # per member: whether it owns a part
+        self.bounds = owned_bounds(self.flat.numel(), self.owns)
         # pieces[j][k]: the elements of piece k of part j, the same on every member.
         self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
         # What the receivers decode of our contribution to our own part, filled as its pieces are
@@ -248,7 +256,25 @@ class Group:
 
     @property
     def leader(self) -> str:
-        return self.members[0]
+        return (self.owners or self.members)[0]
+
+    def owner_indices(self) -> list[int]:
+        return [i for i, owns in enumerate(self.owns) if owns]
+
+    def audited_owner(self) -> int | None:
+        """The member whose part this member audits: the previous owner, in member order, if this
+        member owns a part itself (a member that owns none may not be able to dial every other
+        member, which an audit does). None in a group with a single owner."""
+        ring = self.owner_indices()
+        if not self.owns[self.index] or len(ring) < 2:
+            return None
+        return ring[ring.index(self.index) - 1]
+
+    def voters(self) -> list[int]:
+        """The members whose votes this member waits for: all, if it owns a part; the owners
+        otherwise. An owner votes to the members that own none only once every vote is in and
+        equal (``RoundProtocol._allreduce``), so their votes carry the whole group's agreement."""
+        return list(range(len(self.members))) if self.owns[self.index] else self.owner_indices()
 
     def member_index(self, peer_id: str) -> int | None:
         try:
@@ -435,12 +461,11 @@ class Group:
     # ---- audit: a sampled piece of another member's part, recomputed ----------------
 
     def audit_target(self) -> tuple[int, int] | None:
-        """The (part, piece) this member audits: a random piece of the previous member's part,
-        drawn once that owner has sent every piece (so it cannot know which one). None in a
-        group of one, or if that part is empty."""
-        n = len(self.members)
-        owner = (self.index - 1) % n
-        if n < 2 or not self.pieces[owner]:
+        """The (part, piece) this member audits: a random piece of the previous owner's part
+        (``audited_owner``), drawn once that owner has sent every piece (so it cannot know which
+        one). None in a group of one, for a member that owns no part, or if that part is empty."""
+        owner = self.audited_owner()
+        if owner is None or not self.pieces[owner]:
             return None
         assert all(d is not None for d in self._placed[owner]), "audit before the owner's part is in"
         return owner, int.from_bytes(os.urandom(8), "big") % len(self.pieces[owner])
@@ -509,7 +534,7 @@ class Group:
         for k, inputs in enumerate(self._inputs):
             if self.reduced[k] is None:
                 return next((j for j in others if j not in inputs), None)
-        return next((j for j in others if j not in self.votes), None)
+        return next((j for j in self.voters() if j != self.index and j not in self.votes), None)
 
     def mark(self, step: str) -> None:
         self.marks.setdefault(step, time.monotonic())
@@ -633,6 +658,8 @@ class Group:
         return True
 
     async def agreed(self, deadline: float) -> bool:
-        await self._wait(lambda: len(self.votes) == len(self.members), deadline)
-        return len(set(self.votes.values())) == 1
+        """Whether the votes of every member of ``voters`` (in by ``deadline``) and ours are equal."""
+        needed = self.voters()
+        await self._wait(lambda: all(i in self.votes for i in needed), deadline)
+        return len({self.votes[i] for i in [*needed, self.index]}) == 1
 

@@ -20,6 +20,7 @@ by strict majority (``verdict``); with none, the answer stays unknown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import random
@@ -37,6 +38,10 @@ MAX_ADDRESSES = 4  # of the asker's addresses, dialled back
 DIAL_TIMEOUT = 5.0  # seconds for one TCP connect (20 round trips at 250 ms)
 MIN_INTERVAL = 30.0  # seconds between two dial-backs for one asker
 CHECK_INTERVAL = 600.0  # seconds between two checks of a node that knows its answer
+# The most a node that checks waits for its first answer before its first round: a round formed
+# before its members know who can be dialled gives parts to peers behind NAT, and fails when two
+# of them must meet (docs/wan.md). A dial-back to a NAT'd host takes DIAL_TIMEOUT per address.
+SETTLE_SECONDS = 30.0
 _TCP = re.compile(r"/(ip4|ip6)/([^/]+)/tcp/(\d+)(?:/|$)")
 
 
@@ -89,6 +94,8 @@ class Reachability:
         self._call = call
         self.request_timeout = request_timeout
         self.reachable: bool | None = None
+        self.checking = False  # set by whoever runs ``check`` (the node); see ``settled``
+        self._answered = asyncio.Event()
         self._dialled_for = BoundedDict(4096)  # asker -> when we last dialled it back
 
     async def check(self) -> bool | None:
@@ -112,7 +119,28 @@ class Reachability:
                 log.info("%s from outside (%d of %d peers dialled back)",
                          "reachable" if found else "NOT reachable", sum(answers), len(answers))
             self.reachable = found
+            self.swarm.announce(dial=found)  # in our heartbeat: a leader gives parts to dialable peers
+            self._answered.set()
         return self.reachable
+
+    async def settled(self, timeout: float = SETTLE_SECONDS) -> bool | None:
+        """Wait (at most ``timeout``) for the first answer, if a check runs and there are peers to
+        ask; returns ``reachable``. A node alone, or one that does not check, does not wait."""
+        if self.checking and self.reachable is None and self.swarm.peers:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._answered.wait()
+        return self.reachable
+
+    async def stay_connected(self) -> int:
+        """Behind NAT: dial every peer whose heartbeat says it accepts dials and that p2pd holds no
+        connection to, so that leaders and owners can reach us over ours (they cannot dial us);
+        returns how many were dialled. One connection per dialable peer, kept by p2pd."""
+        connected = {info.peer_id.to_base58() for info in await self.swarm.p2p.list_peers()}
+        missing = [p for p, r in self.swarm.peers.items()
+                   if r.reachable is True and p != self.swarm.peer_id and p not in connected]
+        await asyncio.gather(*(self.swarm.connect_to(p) for p in missing))
+        return len(missing)
 
     async def on_dialback(self, sender: str, header: dict, reader, writer) -> None:
         """A peer asks whether we can dial it: try the addresses of its signed heartbeat."""

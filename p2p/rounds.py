@@ -221,6 +221,8 @@ class RoundProtocol:
                         raise
         if self.hostile.any and fresh:
             await off_loop(_hostile_input, flat, self.hostile)
+        # Not ready before we know whether peers can dial us (a moment, once: p2p/reachability.py).
+        await self.reachability.settled()
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state, donated)
@@ -243,7 +245,8 @@ class RoundProtocol:
             # Committed. Known to signing before the group is left: a faster member's signature
             # may arrive while we still write the residual or end the round on our ranks, and
             # it must find the group then (after leaving, nothing else names it).
-            self.signing.committed(group.id, group.members, round + 1)
+            self.signing.committed(group.id, group.members, round + 1,
+                                   [group.members[i] for i in group.voters()])
         except (RoundFailed, asyncio.CancelledError) as e:
             reason = e.reason if isinstance(e, RoundFailed) else "stopping"
             await asyncio.shield(self._broadcast_abort(group, reason))
@@ -292,6 +295,25 @@ class RoundProtocol:
         self._suspects.retain(lambda p, t: t > now)
         out = self.quarantine.active(now) | self._shunned(peers, now)
         return {p: r for p, r in peers.items() if p not in self._suspects and p not in out}
+
+    def _dialable(self, peer: str, table) -> bool:
+        """Whether ``peer`` is known to accept dials: its heartbeat says so (for us: our own check)."""
+        if peer == self.swarm.peer_id:
+            return self.reachability.reachable is True
+        record = table.get(peer)
+        return record is not None and record.reachable is True
+
+    def _owners(self, members, table) -> list[str] | None:
+        """The members of a group that own a part (``Group.owners``): those known to accept dials,
+        if there are at least two of them and some member is not one; None (all own) otherwise.
+        The first of them leads. Members that may sit behind NAT then never have to meet:
+        each only dials the owners, which reach it over the connections it opened."""
+        owners = sorted(m for m in set(members) if self._dialable(m, table))
+        return owners if 2 <= len(owners) < len(set(members)) else None
+
+    def _leader_of(self, members, table) -> str:
+        owners = self._owners(members, table)
+        return owners[0] if owners else min(members)
 
     def unverified(self, peer: str, params_hash: str) -> None:
         """``peer`` announced ``params_hash`` and no donor of it showed a certificate chain to it."""
@@ -384,14 +406,14 @@ class RoundProtocol:
                             and (not state or r.params_hash == state)} | hinted | {self.swarm.peer_id})
             training = [p for p, r in peers.items() if r.round == round and r.state == "training" and p not in hinted]
             hinted_to = self._hint_leader(peers, round, hinted_to, ready)
-            leader = ready[0]
+            leader = self._leader_of(ready, table)
             timed_out = time.monotonic() - started > self.gather_timeout
             can_lead = self.swarm.table_fresh or timed_out
             enough, short = can_start(ready, live, self.min_peers)
             if self.hostile.silent_leader and leader == self.swarm.peer_id:
                 pass  # test-only: a leader that announces ready and never starts the round
             elif leader == self.swarm.peer_id and can_lead and enough and (not training or timed_out):
-                group = await self._lead(round, ready)
+                group = await self._lead(round, ready, self._owners(ready, table))
                 if group is not None:
                     if training:
                         log.info("round %d starts without %d straggler(s)", round + 1, len(training))
@@ -436,9 +458,10 @@ class RoundProtocol:
 
     def _hint_leader(self, peers: dict, round: int, hinted_to: str | None, ready=()) -> str | None:
         """Hint the peer expected to lead ``round`` (unless that is us or it was hinted already); returns it."""
-        # Whoever will lead: the smallest id of the peers at (or about to reach) this round.
-        expected = min([self.swarm.peer_id, *ready,
-                        *(p for p, r in peers.items() if r.round >= round - 1 and r.state != "joining")])
+        # Whoever will lead: of the peers at (or about to reach) this round, the first owner.
+        expected = self._leader_of([self.swarm.peer_id, *ready, *(p for p, r in peers.items()
+                                                                  if r.round >= round - 1 and r.state != "joining")],
+                                   peers)
         if expected != self.swarm.peer_id and expected != hinted_to:
             self._hint(expected, round)
             return expected
@@ -484,21 +507,23 @@ class RoundProtocol:
         state = self._waiting.state if self._waiting is not None else ""
         self._background(self._call(peer, "ready", {"r": round, "h": state}))
 
-    async def _lead(self, round: int, members: list[str]) -> Group | None:
-        """Propose the group to every member; all must accept or the attempt is cancelled."""
+    async def _lead(self, round: int, members: list[str], owners: list[str] | None = None) -> Group | None:
+        """Propose the group to every member; all must accept or the attempt is cancelled.
+        ``owners``: the members that own a part (``_owners``; None: all)."""
         waiting = self._waiting
         if waiting.group.done():
             return waiting.group.result()
         others = [p for p in members if p != self.swarm.peer_id]
         # As many lanes as the farthest member's round-trip time asks for (group.lanes_for_rtt).
         lanes = lanes_for_rtt(max((r for r in map(self.dial.rtt, others) if r is not None), default=None))
-        group = self._new_group(os.urandom(16), round, members, waiting, lanes)
+        group = self._new_group(os.urandom(16), round, members, waiting, lanes, owners)
         self._install(group)
         waiting.group.set_result(group)
         for p in members:  # a hint counts once: after this attempt a member is ready again only when it says so
             self._ready_hints.pop(p, None)
         header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
-                  "codec": self.codec.name, "h": waiting.state, "lanes": lanes}
+                  "codec": self.codec.name, "h": waiting.state, "lanes": lanes,
+                  **({"owners": owners} if owners else {})}
         results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
         refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
         if not refused:
@@ -517,9 +542,10 @@ class RoundProtocol:
         self._waiting_set.set()
         return None
 
-    def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting, lanes: int) -> Group:
+    def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting, lanes: int,
+                   owners: list[str] | None) -> Group:
         return self.plane.new_group(gid, round, members, waiting.flat, waiting.weight, residual_added=waiting.donated,
-                                    lanes=lanes)
+                                    lanes=lanes, owners=owners)
 
     def _leave(self, group: Group) -> None:
         """The attempt is over: requests naming it are answered at once from now on."""
@@ -548,10 +574,20 @@ class RoundProtocol:
             await all_or_fail([own, theirs], group)
             vote = combined_digest([own.result(), *theirs.result()])
         group.add_vote(group.index, vote)
-        await self._to_all(group, others, {"g": group.id, "digest": vote}, group.agreed(deadline))
+        header = {"g": group.id, "digest": vote}
+        # To the owners at once (every member, if all own a part). Members that own none hear an
+        # owner's vote only once the owner holds every vote and all are equal: theirs then says
+        # the whole group agreed, and they never have to meet each other (``Group.voters``).
+        owners = [group.members[i] for i in group.owner_indices() if i != group.index]
+        agreed = asyncio.ensure_future(group.agreed(deadline))
+        await self._to_all(group, owners, header, agreed)
         group.mark("voted")
-        if len(set(group.votes.values())) != 1:
+        if not agreed.result():
             raise RoundFailed("digest_mismatch")
+        if group.owns[group.index]:
+            for peer in others:
+                if peer not in owners:
+                    self._background(self._vote_to(group, peer, header))
 
     async def _to_all(self, group: Group, others: list[str], header: dict, until) -> None:
         """Send our vote to every other member and wait for ``until`` (all or fail).
@@ -572,10 +608,24 @@ class RoundProtocol:
         sends = [asyncio.ensure_future(send(p)) for p in others]
         await all_or_fail([*sends, asyncio.ensure_future(until)], group)
 
+    async def _vote_to(self, group: Group, peer: str, header: dict) -> None:
+        """Our vote to a member that owns no part, after the group agreed: it waits for every
+        owner's (a few tries, until the group's deadline: it commits only with all of them)."""
+        loop = asyncio.get_running_loop()
+        for attempt in range(3):
+            try:
+                await self._call(peer, "vote", header)
+                return
+            except (RoundFailed, WireError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+                if attempt == 2 or loop.time() + 0.5 * (attempt + 1) > group.deadline:
+                    raise
+                log.debug("vote to %s failed, again: %r", peer[-8:], e)
+                await asyncio.sleep(0.5 * (attempt + 1))
+
     async def _broadcast_abort(self, group: Group, reason: str, culprit: int | None = None) -> None:
         """Every other member hears that the attempt is off, why, and whom we failed on (if anyone:
         ``Group.culprit``): an abort that names nobody else is ours to answer for (p2p/quarantine.py)."""
-        others = [p for p in group.members if p != group.me]
+        others = [group.members[i] for i in group.voters() if i != group.index]
         if culprit is None:
             culprit = group.culprit(reason)
         header = {"g": group.id, "abort": reason[:40], **({"c": culprit} if culprit is not None else {})}
@@ -614,7 +664,12 @@ class RoundProtocol:
             raise WireError("bad_field", "lanes")
         if not all(isinstance(m, str) for m in members) or members != sorted(set(members)):
             raise WireError("bad_members")
-        if sender != members[0] or self.swarm.peer_id not in members:
+        owners = header.get("owners")
+        if owners is not None and not (isinstance(owners, list) and all(isinstance(m, str) for m in owners)
+                                       and owners == sorted(set(owners)) and set(owners) <= set(members)
+                                       and 2 <= len(owners) < len(members)):
+            raise WireError("bad_field", "owners")
+        if sender != (owners or members)[0] or self.swarm.peer_id not in members:
             raise RoundFailed("not_a_member")
         if self.quarantine.quarantined(sender, time.monotonic()):
             await reply(writer, {"ok": False, "reason": "quarantined"})
@@ -640,7 +695,7 @@ class RoundProtocol:
         if waiting.state and header.get("h") != waiting.state:  # another lineage of this round number
             await reply(writer, {"ok": False, "reason": "state_mismatch"})
             return
-        group = self._new_group(gid, round, members, waiting, lanes)
+        group = self._new_group(gid, round, members, waiting, lanes, owners)
         self._install(group)
         waiting.group.set_result(group)
         await reply(writer, {"ok": True})

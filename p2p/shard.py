@@ -24,7 +24,7 @@ import torch
 
 from p2p.audit import PartAudit
 from p2p.codecs import ErrorFeedback
-from p2p.compression import part_bounds
+from p2p.compression import owned_bounds
 from p2p.exchange import PartExchange, all_or_fail
 from p2p.group import LANES, Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
@@ -244,7 +244,7 @@ class ShardPlane:
     # ---- groups --------------------------------------------------------------------
 
     def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float,
-                  residual_added: bool = True, lanes: int = LANES) -> Group:
+                  residual_added: bool = True, lanes: int = LANES, owners: list[str] | None = None) -> Group:
         """A group reducing ``flat``. ``residual_added``: error feedback's residual was folded into
         ``flat`` once, for every attempt of the round (``fold``: a donated pseudo-gradient, a
         rank's shard), and ``flat`` is the residual's vector now: the group works in place
@@ -253,7 +253,8 @@ class ShardPlane:
         adding the residual each time) the next residual goes to a buffer of its own, adopted
         on commit."""
         numel = flat.numel()
-        start, end = part_bounds(numel, len(members))[sorted(members).index(self.me)]
+        members = sorted(members)
+        start, end = owned_bounds(numel, [owners is None or m in owners for m in members])[members.index(self.me)]
         residual = None
         if self.use_feedback:
             feedback = self.ensure_feedback(numel)
@@ -261,7 +262,8 @@ class ShardPlane:
         in_place = residual is not None and residual is flat
         sent = None if self.codec.exact or in_place else self.buffer("sent", end - start)  # our own part only
         return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
-                     aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile, lanes_per_part=lanes)
+                     aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile, lanes_per_part=lanes,
+                     owners=owners)
 
     def install(self, group: Group) -> None:
         self.group = group

@@ -35,6 +35,7 @@ class _Signing:
     round: int
     cert: CommitCertificate | None = None
     early: list = field(default_factory=list)  # (member, public key, signature) before our own commit
+    to: list[str] | None = None  # the members our signature goes to (None: all)
 
 
 class CommitSigning:
@@ -48,10 +49,14 @@ class CommitSigning:
         self._last = b""
         self._tasks: set[asyncio.Task] = set()
 
-    def committed(self, group_id: bytes, members: list[str], round: int) -> None:
-        """A group this node is a member of committed ``round`` (not applied yet)."""
+    def committed(self, group_id: bytes, members: list[str], round: int, to: list[str] | None = None) -> None:
+        """A group this node is a member of committed ``round`` (not applied yet). ``to``: the
+        members to send our signature to, if not all (a member behind NAT reaches only the
+        group's owners; a certificate holds with more than half of the signatures)."""
         if group_id not in self._groups:
-            self._groups[group_id] = _Signing(list(members), round)
+            self._groups[group_id] = _Signing(list(members), round, to=None if to is None else list(to))
+        elif to is not None:
+            self._groups[group_id].to = list(to)
         self._last = group_id
 
     def certify(self, prev: str, new: str) -> asyncio.Task | None:
@@ -70,7 +75,7 @@ class CommitSigning:
         signing.cert, signing.early = cert, []
         self._keep(cert)
         header = {"g": self._last, "pk": signer.public_key, "sig": signature}
-        others = [p for p in signing.members if p != self.swarm.peer_id]
+        others = [p for p in (signing.to or signing.members) if p != self.swarm.peer_id]
 
         async def deliver(peer: str) -> bool:
             """Until the member takes it: a stream that failed, or a member that did not know the

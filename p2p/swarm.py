@@ -143,6 +143,9 @@ class PeerRecord:
     fingerprint_parts: dict | None = None
     # What the peer says of its last round (``OBSERVED``): shown to operators, never acted on.
     observed: dict[str, float] = field(default_factory=dict)
+    # Whether other peers can dial it, as its own check found (p2p/reachability.py); None: unknown.
+    # A leader gives parts only to peers that say True (``RoundProtocol._owners``).
+    reachable: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -154,6 +157,7 @@ class PeerRecord:
             "loss": self.loss,
             "round_tokens": self.round_tokens,
             "multiaddrs": list(self.maddrs),
+            "reachable": self.reachable,
             **self.observed,
         }
 
@@ -187,8 +191,11 @@ def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
     parts = parse_parts(fpp) if fpp is not None else None
     if fpp is not None and parts is None:
         raise ValueError("bad_heartbeat_fingerprint")
+    dial = value.get("dial")
+    if dial is not None and not isinstance(dial, bool):
+        raise ValueError("bad_heartbeat_dial")
     return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs), rtok,
-                      fp, parts, parse_observed(value.get("obs", {})))
+                      fp, parts, parse_observed(value.get("obs", {})), dial)
 
 
 # Heartbeat field ``obs``: what a peer reports of its last committed round, for `gonka-node top`.

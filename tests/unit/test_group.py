@@ -9,7 +9,7 @@ import torch
 import p2p.compression
 import p2p.group
 from p2p.codecs import get_codec
-from p2p.compression import flatten, part_bounds
+from p2p.compression import flatten, owned_bounds, part_bounds
 from p2p.group import Group, RoundFailed, digest, lanes_for_rtt, piece_digest
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,6 +21,39 @@ def test_part_bounds_cover_everything():
         assert b[0][0] == 0 and b[-1][1] == numel
         assert all(b[i][1] == b[i + 1][0] for i in range(parts - 1))
         assert max(e - s for s, e in b) - min(e - s for s, e in b) <= 1
+
+
+def test_members_that_own_no_part_get_empty_ranges_and_the_owners_split_everything():
+    assert owned_bounds(10, [True] * 3) == part_bounds(10, 3)
+    assert owned_bounds(10, [False, True, False, True, False]) == [(0, 0), (0, 5), (5, 5), (5, 10), (10, 10)]
+
+
+async def test_a_member_that_owns_no_part_audits_nothing_and_hears_only_the_owners_votes():
+    # a, c own the parts (dialable); b and d (behind NATs) own none and never meet each other.
+    members, owners = ["a", "b", "c", "d"], ["a", "c"]
+
+    def group(me: str) -> Group:
+        return Group(os.urandom(16), 0, members, me, torch.zeros(1000), 1.0, get_codec("fp32"), owners=owners)
+
+    a, b, c = group("a"), group("b"), group("c")
+    assert a.leader == "a" and [len(p) for p in a.pieces] == [1, 0, 1, 0]
+    assert a.audited_owner() == 2 and c.audited_owner() == 0 and b.audited_owner() is None
+    assert b.audit_target() is None and a.voters() == [0, 1, 2, 3] and b.voters() == [0, 2]
+    digest_ = os.urandom(16)
+    b.add_vote(1, digest_)
+    b.add_vote(0, digest_)
+    b.add_vote(2, digest_)
+    assert await b.agreed(float("inf"))  # d's vote never comes to b: the owners' carry it
+    b.add_vote(3, os.urandom(16))  # were one to come, it would not count
+    assert await b.agreed(float("inf"))
+    a.add_vote(0, digest_)
+    a.add_vote(2, digest_)
+    a.add_vote(1, digest_)
+    a.add_vote(3, os.urandom(16))
+    assert not await a.agreed(float("inf"))  # an owner holds every member to the same digest
+    for bad in (["a"], ["c", "a"], ["a", "e"], members):
+        with pytest.raises(AssertionError):
+            Group(os.urandom(16), 0, members, "a", torch.zeros(10), 1.0, get_codec("fp32"), owners=bad)
 
 
 def test_flatten_copies_every_tensor_once_and_adds_the_residual_on_the_way():

@@ -518,3 +518,53 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
         await asyncio.gather(again, return_exceptions=True)
     finally:
         await stop_peers(peers)
+
+
+async def test_members_that_cannot_dial_each_other_own_no_part_and_never_meet():
+    # Peers 2 and 3 stand for hosts behind two NATs: neither can open a stream to the other.
+    # The two peers whose heartbeats say they accept dials own the parts; the others only dial
+    # them, and the round commits with all four, bit-identical, without a stream between the two.
+    peers = await start_peers(4, min_peers=4)
+    by_id = {s.peer_id: i for i, (s, _, _) in enumerate(peers)}
+    nat = {peers[2][0].peer_id, peers[3][0].peer_id}
+    tried: list[tuple[str, str]] = []
+    for swarm, _, _ in peers[2:]:
+        opened = swarm.p2p.call_binary_stream_handler
+
+        async def guarded(peer_id, name, me=swarm.peer_id, opened=opened):
+            if peer_id.to_base58() in nat:
+                tried.append((me, peer_id.to_base58(), name))
+                raise ConnectionError("no route through the NAT")
+            return await opened(peer_id, name)
+
+        swarm.p2p.call_binary_stream_handler = guarded
+    try:
+        for swarm, rounds, _ in peers[:2]:
+            rounds.reachability.reachable = True
+            swarm.announce(dial=True)
+
+        async def seen() -> None:
+            while True:
+                tables = [await s.refresh_peers() for s, _, _ in peers]
+                if all(sum(1 for p, r in t.items() if r.reachable) == (2 if s.peer_id in nat else 1)
+                       for t, (s, _, _) in zip(tables, peers)):
+                    return
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(seen(), 20)
+        torch.manual_seed(5)
+        inputs = [[torch.randn(1000), torch.randn(37)] for _ in peers]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(r.average(x, 1.0, 0) for (_, r, _), x in zip(peers, inputs))), 60)
+        assert all(r.last.status == "committed" and len(r.last.members) == 4 for _, r, _ in peers), \
+            [r.last for _, r, _ in peers]
+        for k in range(2):
+            expected = sum(x[k] for x in inputs) / 4
+            assert all(torch.equal(res[k], results[0][k]) for res in results)
+            assert torch.allclose(results[0][k], expected, atol=1e-6)
+        assert tried == [], [(by_id[a], by_id[b], name) for a, b, name in tried]
+        # Every round in the table's view: the owners were the two dialable peers.
+        owners = sorted(s.peer_id for s, _, _ in peers[:2])
+        assert all(r._owners([s.peer_id for s, _, _ in peers], r.swarm.peers) == owners for _, r, _ in peers)
+    finally:
+        await stop_peers(peers)
