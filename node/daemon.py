@@ -26,7 +26,6 @@ from node.config import Config
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
 from p2p.swarm import parse_observed
-from p2p.reachability import CHECK_INTERVAL
 from p2p.tcpsettings import TcpSettings
 
 log = logging.getLogger("gonka.node")
@@ -174,37 +173,14 @@ class Node:
         return tasks + [asyncio.create_task(verify(), name="verify-data")]
 
     async def _check_reachability(self) -> None:
-        """Ask peers to dial us back (p2p/reachability.py): as soon as the table shows a peer, again
-        while nobody has answered, then every CHECK_INTERVAL."""
-        reachability = self.loop_.rounds.reachability
-        reachability.checking = True
-        while True:
-            if self.swarm.peers:
-                try:
-                    found = await reachability.check()
-                except Exception as e:  # the check informs the operator; it must never stop the node
-                    log.debug("reachability check failed: %r", e)
-                    found = None
-                if found is not None and found != self.status.reachable:
-                    self.status.reachable = found
-                    self.metrics.reachable.set(1 if found else 0)
-                    self.write_status()
-                if found is False:  # until the next check: our connections to the peers that can take them
-                    await self._stay_connected(reachability, CHECK_INTERVAL)
-                else:
-                    await asyncio.sleep(CHECK_INTERVAL if found else 3 * self.config.swarm.heartbeat_interval)
-            else:
-                await asyncio.sleep(self.config.swarm.heartbeat_interval)
+        """Whether peers can dial us (p2p/reachability.py), in status and metrics as it changes."""
 
-    async def _stay_connected(self, reachability, seconds: float) -> None:
-        """Behind NAT, for ``seconds``: every heartbeat, a connection to each dialable peer."""
-        until = time.monotonic() + seconds
-        while time.monotonic() < until:
-            try:
-                await reachability.stay_connected()
-            except Exception as e:  # p2pd busy or restarting: next heartbeat
-                log.debug("keeping connections failed: %r", e)
-            await asyncio.sleep(self.config.swarm.heartbeat_interval)
+        def changed(found: bool) -> None:
+            self.status.reachable = found
+            self.metrics.reachable.set(1 if found else 0)
+            self.write_status()
+
+        await self.loop_.rounds.reachability.run(self.config.swarm.heartbeat_interval, changed)
 
     def _remove_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

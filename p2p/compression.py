@@ -93,9 +93,12 @@ class SwarmAverage:
     combined by ``aggregator``; the result is not encoded (a ``CompressingMember`` around the group
     re-encodes it, as the owners do)."""
 
-    def __init__(self, aggregator: str = "mean", codec: Codec | None = None, piece_elems: int = PIECE_ELEMS) -> None:
+    def __init__(self, aggregator: str = "mean", codec: Codec | None = None, piece_elems: int = PIECE_ELEMS,
+                 owns: list[bool] | None = None) -> None:
+        """``owns``: which members own a part, in member order (``Group.owners``; None: all)."""
         aggregate(aggregator, [1.0], [torch.zeros(1)])  # an unknown name fails here, not mid-run
         self.aggregator = aggregator
+        self.owns = owns
         self.codec = codec if codec is not None else get_codec("fp32")
         self.piece_elems = piece_elems
 
@@ -104,7 +107,8 @@ class SwarmAverage:
         weights = [w for _, w in contributions]
         flats = [flatten(tensors) for tensors, _ in contributions]
         out = torch.empty_like(flats[0])
-        for start, end in part_bounds(out.numel(), len(flats)):
+        owns = self.owns if self.owns is not None else [True] * len(flats)
+        for start, end in owned_bounds(out.numel(), owns):
             for s, e in piece_bounds(start, end, self.codec, self.piece_elems):
                 out[s:e] = aggregate(self.aggregator, weights, [f[s:e] for f in flats])
         return [t.to(ref.dtype) for t, ref in zip(unflatten(out, like, copy=False), like)]

@@ -142,6 +142,34 @@ class Reachability:
         await asyncio.gather(*(self.swarm.connect_to(p) for p in missing))
         return len(missing)
 
+    async def run(self, heartbeat_interval: float, on_change: Callable[[bool], None] | None = None) -> None:
+        """Check, for as long as the node runs: as soon as the table shows a peer, again while
+        nobody has answered, then every ``CHECK_INTERVAL``; behind NAT, keep a connection to each
+        dialable peer in between (``stay_connected``). ``on_change(found)`` hears each new answer."""
+        self.checking = True
+        while True:
+            if not self.swarm.peers:
+                await asyncio.sleep(heartbeat_interval)
+                continue
+            before = self.reachable
+            try:
+                found = await self.check()
+            except Exception as e:  # the check informs the operator and the leader; it never stops the node
+                log.debug("reachability check failed: %r", e)
+                found = None
+            if found is not None and found != before and on_change is not None:
+                on_change(found)
+            if found is not False:
+                await asyncio.sleep(CHECK_INTERVAL if found else 3 * heartbeat_interval)
+                continue
+            until = time.monotonic() + CHECK_INTERVAL  # until the next check
+            while time.monotonic() < until:
+                try:
+                    await self.stay_connected()
+                except Exception as e:  # p2pd busy or restarting: next heartbeat
+                    log.debug("keeping connections failed: %r", e)
+                await asyncio.sleep(heartbeat_interval)
+
     async def on_dialback(self, sender: str, header: dict, reader, writer) -> None:
         """A peer asks whether we can dial it: try the addresses of its signed heartbeat."""
         now = time.monotonic()

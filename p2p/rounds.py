@@ -72,6 +72,7 @@ class RoundOutcome:
     blamed: list[str] = field(default_factory=list)  # members this peer held to account for it
     # Seconds of the attempt's steps after the gather on this peer (``Group.phases``).
     phases: dict[str, float] = field(default_factory=dict)
+    owners: list[str] = field(default_factory=list)  # the members that owned a part (empty: all)
 
 
 @dataclass(eq=False)
@@ -273,7 +274,7 @@ class RoundProtocol:
         self.deadlines.observe(seconds)
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds,
-                                 blamed, group.phases(gathered))
+                                 blamed, group.phases(gathered), list(group.owners or []))
         faults.checkpoint("commit", round + 1, len(group.members))
         # Donated: over our contribution, which nobody needs now (the vector holds the average
         # from here on: given again, it is a new round's input). Otherwise ``flat`` is the

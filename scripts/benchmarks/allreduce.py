@@ -64,7 +64,7 @@ from .options import non_negative_int, positive_int
 ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
-COLUMNS = ["system", "codec", "peers", "link_mbit", "rtt_ms", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
+COLUMNS = ["system", "codec", "peers", "link_mbit", "rtt_ms", "nat", "owners", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
            "seconds", "commit_s", "allreduce_s", "bound_seconds", "ratio_to_bound", "gather_s", "exchanged_s", "audited_s",
            "voted_s", "outside_s", "outside_rtts", "first_sync_aborted", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
 # Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
@@ -132,6 +132,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="extra random delay on that round trip, up to this many ms (default 0)")
     group.add_argument("--loss", type=non_negative_float, default=0.0,
                        help="percent of packets lost between two hosts, each way (default 0)")
+    group.add_argument("--nat", type=non_negative_int, default=0,
+                       help="the last K hosts sit behind NAT routers of their own (gonka-node only; default 0)")
     group.add_argument("--tcp-buffers", choices=("raised", "stock"), default="raised",
                        help="the hosts' TCP buffer limits: raised to cover 1 Gbit/s at 250 ms (default, as the "
                             "images set them) or Linux's stock ones")
@@ -155,6 +157,14 @@ def wan_settings(args) -> dict:
         raise ValueError(f"--loss must be below 100 percent, got {args.loss}")
     return {"delay": getattr(args, "rtt", 0.0) / 2000, "jitter": getattr(args, "jitter", 0.0) / 2000,
             "loss": 1 - (1 - loss) ** 0.5, "tcp_buffers": getattr(args, "tcp_buffers", "raised")}
+
+
+def link_bound(peers: int, nat: int, size: int, rate_bps: int) -> float:
+    """Seconds the busiest uplink needs for one all-reduce of ``size`` wire bytes: with K of N
+    peers behind NAT, the N - K others own a part each (``Group.owners``) and each sends its
+    pieces to the other owners and its part's average to all, (2N - K - 2) / (N - K) * size;
+    2 (N - 1) / N * size with none."""
+    return (2 * peers - nat - 2) / (peers - nat) * size / (rate_bps / 8)
 
 
 # ---- what to run ---------------------------------------------------------------------
@@ -217,12 +227,13 @@ def run_config(netbed, system: str, codec: str, args, timeout: float, tag: str) 
                OMP_NUM_THREADS="1")
     try:
         with netbed.Testbed(args.peers, rate=args.rate, prefix=f"ar{os.getpid()}-{tag}",
-                            congestion=args.congestion, **wan_settings(args)) as tb:
+                            congestion=args.congestion, nat=list(range(args.peers - args.nat, args.peers)),
+                            **wan_settings(args)) as tb:
             procs, logs = [], []
             for i in range(args.peers):  # peer 0 first: the others bootstrap from it
                 log = workdir / f"peer{i}.log"
                 argv = [sys.executable, str(PEER_SCRIPT), "--mode", mode, "--index", i, "--peers", args.peers,
-                        "--ip", tb.host_ip(i), "--master", tb.host_ip(0), "--workdir", workdir,
+                        "--ip", tb.local_ip(i), "--master", tb.host_ip(0), "--workdir", workdir,
                         "--params", args.params, "--repeats", args.repeats, "--warmup", args.warmup, "--codec", codec,
                         "--run-tag", f"{os.getpid()}{tag}", "--timeout", timeout]
                 if args.error_feedback:
@@ -299,7 +310,7 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         else:
             steps[f"{key}_s"] = statistics.median(per_repeat)
     size = wire_size(system, codec, args.params)
-    bound = 2 * (args.peers - 1) / args.peers * size / (rate_bps / 8)
+    bound = link_bound(args.peers, getattr(args, "nat", 0), size, rate_bps)
     seconds = statistics.median(e2e)
     rel_error = max(p["rel_error"] for p in peers)
     return {
@@ -321,6 +332,9 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         "outside_rtts": ((seconds - steps["exchanged_s"]) / (args.rtt / 1000)
                          if "exchanged_s" in steps and getattr(args, "rtt", 0) else None),
         "rtt_ms": getattr(args, "rtt", 0.0),
+        "nat": getattr(args, "nat", 0),
+        # Members that owned a part in the last sync (gonka-node; all of them unless some are behind NAT).
+        "owners": max(p.get("owners") or args.peers for p in peers) if system == "gonka-node" else None,
         "first_sync_aborted": max((p["first_sync_aborted"] for p in peers if "first_sync_aborted" in p), default=None),
         "identical": identical,
         "rel_error": rel_error,
@@ -365,6 +379,8 @@ def run(args: argparse.Namespace) -> dict:
         args.warmup = 0 if args.quick else 1
     if args.peers < 2:
         raise ValueError("--peers must be at least 2")
+    if args.nat and (args.peers - args.nat < 2 or args.systems != "gonka-node"):
+        raise ValueError("--nat: at most --peers minus 2 hosts, with --systems gonka-node (the others dial every peer)")
     rate_bps = netbed.parse_rate(args.rate)
     fp32_bound = 2 * (args.peers - 1) / args.peers * 4 * args.params / (rate_bps / 8)
     # Generous: an implementation 8x off the fp32 bound still finishes; a hung one is cut off.
@@ -379,8 +395,8 @@ def run(args: argparse.Namespace) -> dict:
             print(f"allreduce: {e}", file=sys.stderr, flush=True)
             rows.append({"system": system, "codec": codec, "peers": args.peers, "link_mbit": rate_bps / 1e6,
                          "payload_bytes": 4 * args.params, "seconds": None,
-                         "bound_seconds": 2 * (args.peers - 1) / args.peers * wire_size(system, codec, args.params)
-                         / (rate_bps / 8), "error": str(e).splitlines()[0]})
+                         "bound_seconds": link_bound(args.peers, args.nat, wire_size(system, codec, args.params),
+                                                     rate_bps), "error": str(e).splitlines()[0]})
             continue
         row = summarize(system, codec, peers, args, rate_bps)
         raw[f"{system}/{codec}"] = peers
@@ -393,12 +409,13 @@ def run(args: argparse.Namespace) -> dict:
     png = args.out / "allreduce.png"
     plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each"
                     f"{f', {args.rtt:g} ms RTT' if args.rtt else ''}{f', {args.loss:g}% loss' if args.loss else ''}"
+                    f"{f', {args.nat} behind NAT' if args.nat else ''}"
                     f"{', one CPU each' if args.pin else ''} "
                     f"(TCP {args.congestion}{', error feedback' if args.error_feedback else ''})")
     notes.append(f"plot: {png}")
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "plot": str(png),
             "config": {"peers": args.peers, "pin": args.pin, "rate": args.rate, "congestion": args.congestion,
-                       "rtt_ms": args.rtt, "jitter_ms": args.jitter, "loss_percent": args.loss,
+                       "rtt_ms": args.rtt, "jitter_ms": args.jitter, "loss_percent": args.loss, "nat": args.nat,
                        "tcp_buffers": args.tcp_buffers,
                        "error_feedback": args.error_feedback, "params": args.params,
                        "repeats": args.repeats, "warmup": args.warmup, "peer_timeout": timeout, "tolerance": TOLERANCE},

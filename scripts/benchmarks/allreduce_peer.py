@@ -90,6 +90,9 @@ async def abarrier(workdir: Path, name: str, index: int, peers: int, deadline: f
             await asyncio.sleep(POLL)
 
 
+_BACKGROUND: set = set()  # tasks the peer keeps running (a reference, so none is collected)
+
+
 def tune_allocator() -> None:
     """The allocator policy a node's daemon sets at start (older trees have no such module)."""
     try:
@@ -115,8 +118,14 @@ async def joined_rounds(swarm, metrics, workdir: Path, index: int, peers: int, d
 
     if index == 0:
         write_json(workdir / "peer0.maddrs", swarm.maddrs)
+    write_json(workdir / f"peer{index}.id", swarm.peer_id)
     rounds = RoundProtocol(swarm, metrics)
     await rounds.start()
+    if hasattr(rounds, "reachability") and hasattr(rounds.reachability, "run"):
+        # As a node does: asks whether it can be dialled, and behind NAT stays connected to the
+        # peers that can (the task lives as long as the loop; older trees have no such check).
+        check = rounds.reachability.run(swarm.config.heartbeat_interval)
+        _BACKGROUND.add(asyncio.get_running_loop().create_task(check))
     swarm.announce(state="training", round=0, hash="")
     while len(await swarm.refresh_peers()) < peers - 1:
         if time.time() > deadline:
@@ -133,9 +142,11 @@ def digest(x: torch.Tensor) -> str:
     return hashlib.blake2b(x.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 
-def check_result(result: torch.Tensor, args, aggregator: str = "mean") -> dict:
+def check_result(result: torch.Tensor, args, aggregator: str = "mean", owns: list[bool] | None = None,
+                 order: list[int] | None = None) -> dict:
     """Error of the averaged vector against what the peers were asked to compute from every peer's
-    input: the exact mean, or (gonka-node) the swarm's aggregator on uncompressed pieces."""
+    input: the exact mean, or (gonka-node) the swarm's aggregator on uncompressed pieces, cut as
+    the group cut them: ``order`` the peers' indices in member order, ``owns`` which owned a part."""
     if aggregator == "mean":
         mean = torch.zeros(args.params, dtype=torch.float64)
         for i in range(args.peers):
@@ -145,8 +156,8 @@ def check_result(result: torch.Tensor, args, aggregator: str = "mean") -> dict:
         from p2p.codecs import get_codec
         from p2p.compression import SwarmAverage
 
-        inputs = [([make_input(args.seed + i, args.params)], 1.0) for i in range(args.peers)]
-        mean = SwarmAverage(aggregator, get_codec(args.codec))(inputs)[0].double()
+        inputs = [([make_input(args.seed + i, args.params)], 1.0) for i in order or range(args.peers)]
+        mean = SwarmAverage(aggregator, get_codec(args.codec), owns=owns)(inputs)[0].double()
     diff = result.double() - mean
     return {"rel_error": float(diff.norm() / mean.norm()), "max_abs_error": float(diff.abs().max())}
 
@@ -216,8 +227,12 @@ async def run_gonka(args, x: torch.Tensor, deadline: float) -> dict:
         await abarrier(workdir, "done", args.index, args.peers, deadline)
         # The very first sync's aborted attempts, warm-up or not: peers that start together must
         # commit their first round at the first attempt, however far apart they are.
+        ids = [json.loads((workdir / f"peer{i}.id").read_text()) for i in range(args.peers)]
+        order = sorted(range(args.peers), key=ids.__getitem__)  # members are sorted by peer id
+        owners = getattr(rounds.last, "owners", [])
         return {"repeats": repeats[args.warmup :], "first_sync_aborted": len(repeats[0]["aborted"]),
-                **check_result(result, args, rounds.aggregator)}
+                "owners": len(owners), **check_result(result, args, rounds.aggregator,
+                                                      [not owners or ids[i] in owners for i in order], order)}
     finally:
         await swarm.close()
 
@@ -321,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["gonka", "hivemind", "gloo"], required=True)
     p.add_argument("--index", type=int, required=True, help="this peer's number, 0..peers-1")
     p.add_argument("--peers", type=int, required=True)
-    p.add_argument("--ip", required=True, help="this host's testbed address")
+    p.add_argument("--ip", required=True, help="this host's testbed address (behind NAT: its own, private one)")
     p.add_argument("--master", help="gloo: host 0's address")
     p.add_argument("--port", type=int, default=29500, help="gloo: rendezvous port on host 0")
     p.add_argument("--workdir", required=True, help="directory shared by the peers of this run")

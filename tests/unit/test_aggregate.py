@@ -184,18 +184,21 @@ def test_centered_clip_iterations_bound_each_step():
         assert exact_norm(b - a) <= 2 * scale
 
 
+@pytest.mark.parametrize("owns", [None, [True, False, True, False, True]], ids=["all_own", "two_behind_nat"])
 @pytest.mark.parametrize("name", list(AGGREGATE))
-def test_swarm_average_aggregates_the_swarms_pieces(name):
+def test_swarm_average_aggregates_the_swarms_pieces(name, owns):
     codec = get_codec("int8")  # blocks: pieces cut at whole blocks, as the swarm cuts them
     shapes = [(37, 29), (1_000,), (5,)]
     g = torch.Generator().manual_seed(8)
     contributions = [([torch.randn(s, generator=g) for s in shapes], w) for w in (1.0, 2.0, 3.0, 4.0, 5.0)]
     contributions[-1] = ([t * -1e4 for t in contributions[-1][0]], 5.0)
-    got = SwarmAverage(name, codec, piece_elems=300)(contributions)
+    got = SwarmAverage(name, codec, piece_elems=300, owns=owns)(contributions)
     assert [t.shape for t in got] == [torch.Size(s) for s in shapes]
     flats = [torch.cat([t.reshape(-1) for t in ts]) for ts, _ in contributions]
     expected = torch.empty_like(flats[0])
-    pieces = [p for s, e in part_bounds(flats[0].numel(), 5) for p in piece_bounds(s, e, codec, 300)]
+    # Cut as the group cuts: a part per member, or per owner (Group.owners: none for the others).
+    parts = part_bounds(flats[0].numel(), 5 if owns is None else sum(owns))
+    pieces = [p for s, e in parts for p in piece_bounds(s, e, codec, 300)]
     assert len(pieces) > 5
     for s, e in pieces:
         expected[s:e] = aggregate(name, [w for _, w in contributions], [f[s:e] for f in flats])

@@ -112,3 +112,12 @@ def test_file_barrier_times_out_naming_the_missing_peer(tmp_path):
     allreduce_peer.barrier(tmp_path, "x", 0, 1, time.time() + 1)  # alone: passes at once
     with pytest.raises(TimeoutError, match="barrier-y-1"):
         allreduce_peer.barrier(tmp_path, "y", 0, 2, time.time() + 0.05)
+
+
+def test_the_bound_behind_nat_is_the_owners_uplink():
+    # 5 peers, 2 behind NAT: 3 owners each send 2/3 of the vector to the other owners and their
+    # part's average to 4 members, 2 vectors in all; 2 (N-1)/N = 1.6 vectors when all own a part.
+    rate = 100_000_000
+    assert allreduce.link_bound(5, 0, 4000, rate) == pytest.approx(1.6 * 4000 / 12.5e6)
+    assert allreduce.link_bound(5, 2, 4000, rate) == pytest.approx(2.0 * 4000 / 12.5e6)
+    assert allreduce.link_bound(2, 0, 4000, rate) == pytest.approx(4000 / 12.5e6)

@@ -53,3 +53,47 @@ async def test_peers_dial_back_what_a_node_announces():
         assert await rc.reachability.check() is False
     finally:
         await stop_peers(peers)
+
+
+class _Table:
+    """What ``Reachability.run`` reads of a swarm: its peers, and what it announces."""
+
+    def __init__(self) -> None:
+        self.peers = {}
+        self.peer_id = "me"
+        self.announced = []
+
+    def announce(self, **fields) -> None:
+        self.announced.append(fields)
+
+
+async def test_run_checks_once_peers_show_and_behind_nat_keeps_dialling_out(monkeypatch):
+    from p2p import reachability as module
+
+    swarm = _Table()
+    answers = iter([None, False])  # nobody answers at first; then the peers say they could not dial us
+    reach = module.Reachability(swarm, call=None, request_timeout=1.0)
+    checked, dialled, changes = [], asyncio.Event(), []
+
+    async def check():
+        checked.append(len(swarm.peers))
+        reach.reachable = next(answers, reach.reachable)
+        return reach.reachable
+
+    async def stay_connected():
+        dialled.set()
+        return 1
+
+    monkeypatch.setattr(reach, "check", check)
+    monkeypatch.setattr(reach, "stay_connected", stay_connected)
+    task = asyncio.create_task(reach.run(0.01, changes.append))
+    try:
+        await asyncio.sleep(0.05)
+        assert reach.checking and checked == []  # alone: nobody to ask
+        swarm.peers["other"] = object()
+        await asyncio.wait_for(dialled.wait(), 10)  # unknown, asked again 3 heartbeats later: NAT'd
+        assert checked == [1, 1] and changes == [False]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

@@ -566,5 +566,6 @@ async def test_members_that_cannot_dial_each_other_own_no_part_and_never_meet():
         # Every round in the table's view: the owners were the two dialable peers.
         owners = sorted(s.peer_id for s, _, _ in peers[:2])
         assert all(r._owners([s.peer_id for s, _, _ in peers], r.swarm.peers) == owners for _, r, _ in peers)
+        assert all(r.last.owners == owners for _, r, _ in peers)
     finally:
         await stop_peers(peers)
