@@ -4,7 +4,10 @@ A fixed timeout is either too short for a slow link or far too long to notice
 a stalled peer. Instead the deadline is a high quantile of the last rounds'
 all-reduce times, times a safety margin, kept between a floor (so loopback
 jitter cannot starve a round) and a ceiling (``swarm.round_timeout``). Until
-there is history, the ceiling applies. Pure logic: time is passed in, nothing
+there is history, the ceiling applies. The floor grows with the group's
+round-trip time (``RTT_TRIPS`` of its farthest member's): rounds learned
+among near peers must not starve one that takes a far peer in (a round
+spends up to 10 round trips outside its exchange, docs/wan.md). Pure logic: time is passed in, nothing
 here sleeps or reads the clock.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+RTT_TRIPS = 40  # round trips a deadline allows at least: ~4x what a round costs outside its exchange
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,10 +42,11 @@ class DeadlinePolicy:
         while len(self._history) > self.window:
             self._history.popleft()
 
-    def deadline(self) -> float:
-        """Seconds the next all-reduce may take before the attempt is abandoned."""
+    def deadline(self, rtt: float | None = None) -> float:
+        """Seconds the next all-reduce may take before the attempt is abandoned; ``rtt``: the
+        group's farthest member's round-trip time in seconds (None: not measured)."""
         if not self._history:
             return self.ceiling
         ranked = sorted(self._history)
         estimate = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))] * self.margin
-        return min(self.ceiling, max(self.floor, estimate))
+        return min(self.ceiling, max(self.floor, RTT_TRIPS * (rtt or 0.0), estimate))

@@ -138,7 +138,7 @@ class PartExchange:
         if group.weight_cap and weight > group.weight_cap and lane == 0:  # counted, not refused: it is capped
             self._reject("weight_capped", f"{weight:.3g} tokens claimed, {group.weight_cap:.3g} allowed")
             group.blame.setdefault(group.members[index], "weight_capped")
-        deadline = asyncio.get_running_loop().time() + self.deadlines.deadline()
+        deadline = asyncio.get_running_loop().time() + self.deadlines.deadline(group.rtt)
         receiving = asyncio.ensure_future(self._receive_pieces(group, index, lane, reader, deadline))
         try:
             async with asyncio.timeout_at(deadline):  # also bounds writes to a requester that stopped reading

@@ -174,6 +174,7 @@ class Group:
     # them. A member that cannot be dialled (behind NAT) owns none: it only dials the owners, and
     # no two such members ever need to meet (docs/wan.md, "NAT").
     owners: list[str] | None = None
+    rtt: float | None = None  # seconds to the farthest other member, as this peer measured it (None: unknown)
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
     failed_by: str | None = None  # the member whose stream to us the failure came on, if one did

@@ -57,6 +57,7 @@ WAIT_REPORT_SECONDS = 15.0  # how often a long gather says what it is waiting fo
 # A member our vote did not reach may still have voted: votes cross, so its own may arrive
 # this long after our send to it failed (see RoundProtocol._to_all).
 VOTE_GRACE_SECONDS = 2.0
+VOTE_GRACE_TRIPS = 8  # or this many of the group's round trips, if longer
 
 
 @dataclass(slots=True)
@@ -516,7 +517,7 @@ class RoundProtocol:
             return waiting.group.result()
         others = [p for p in members if p != self.swarm.peer_id]
         # As many lanes as the farthest member's round-trip time asks for (group.lanes_for_rtt).
-        lanes = lanes_for_rtt(max((r for r in map(self.dial.rtt, others) if r is not None), default=None))
+        lanes = lanes_for_rtt(self._farthest(members))
         group = self._new_group(os.urandom(16), round, members, waiting, lanes, owners)
         self._install(group)
         waiting.group.set_result(group)
@@ -545,8 +546,15 @@ class RoundProtocol:
 
     def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting, lanes: int,
                    owners: list[str] | None) -> Group:
-        return self.plane.new_group(gid, round, members, waiting.flat, waiting.weight, residual_added=waiting.donated,
-                                    lanes=lanes, owners=owners)
+        group = self.plane.new_group(gid, round, members, waiting.flat, waiting.weight,
+                                     residual_added=waiting.donated, lanes=lanes, owners=owners)
+        group.rtt = self._farthest(members)  # deadlines grow with it (p2p/deadline.py)
+        return group
+
+    def _farthest(self, members) -> float | None:
+        """The longest round-trip time we measured to another of ``members`` (None: none measured)."""
+        return max((r for p in members if p != self.swarm.peer_id and (r := self.dial.rtt(p)) is not None),
+                   default=None)
 
     def _leave(self, group: Group) -> None:
         """The attempt is over: requests naming it are answered at once from now on."""
@@ -560,7 +568,7 @@ class RoundProtocol:
 
     async def _allreduce(self, group: Group) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.deadlines.deadline()
+        deadline = loop.time() + self.deadlines.deadline(group.rtt)
         if self.hostile.abort:
             raise RoundFailed("hostile")  # test-only: a member that aborts every group it joins
         others = [p for p in group.members if p != group.me]
@@ -602,7 +610,8 @@ class RoundProtocol:
             try:
                 await self._call(peer, "vote", header)
             except (RoundFailed, WireError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError):
-                grace = min(group.deadline or float("inf"), asyncio.get_running_loop().time() + VOTE_GRACE_SECONDS)
+                grace = max(VOTE_GRACE_SECONDS, VOTE_GRACE_TRIPS * (group.rtt or 0))
+                grace = min(group.deadline or float("inf"), asyncio.get_running_loop().time() + grace)
                 if not await group.voted(group.members.index(peer), grace):
                     raise
 

@@ -27,6 +27,14 @@ def test_clamped_to_floor_and_ceiling():
     assert slow.deadline() == 60
 
 
+def test_a_far_member_raises_the_floor_to_forty_round_trips():
+    p = DeadlinePolicy(ceiling=60, floor=5)
+    p.observe(0.5)  # rounds among near peers
+    assert p.deadline() == 5 and p.deadline(rtt=0.001) == 5
+    assert p.deadline(rtt=0.25) == pytest.approx(10.0)
+    assert p.deadline(rtt=3.0) == 60  # never past the ceiling (swarm.round_timeout)
+
+
 def test_forgets_old_rounds():
     p = DeadlinePolicy(ceiling=600, floor=1, margin=2, window=3)
     p.observe(100)
