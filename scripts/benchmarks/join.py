@@ -36,8 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.swarmbench_common import (SCRIPTS, commits, downloads, listening_address, log_tail, median,
-                                          node_argv, read_text, state_bytes, stamp_to_unix)
+from benchmarks.options import add_wan_arguments, wan_settings
+from benchmarks.swarmbench_common import (SCRIPTS, commits, downloads, heartbeat_for, listening_address, log_tail,
+                                          median, node_argv, read_text, state_bytes, stamp_to_unix)
 
 COLUMNS = ["join", "model", "donors", "round", "state_bytes", "seconds", "bound_seconds", "ratio_to_bound",
            "start_to_synced_s", "failed_attempts"]
@@ -55,6 +56,7 @@ def add_arguments(group) -> None:
     group.add_argument("--warmup-rounds", type=int, help="rounds every donor commits before the first join (default 2; 1 with --quick)")
     group.add_argument("--join-timeout", type=float, default=180.0, help="seconds one joiner may take (default 180)")
     group.add_argument("--prefix", default="gsj", help="testbed name prefix (default gsj)")
+    add_wan_arguments(group)  # any two hosts --rtt apart (docs/testbed.md)
 
 
 def wait_for_commits(logs: list[Path], procs, count: int, timeout: float) -> None:
@@ -78,7 +80,8 @@ def one_join(tb, j: int, args, workdir: Path, bootstrap: str, rate_bps: int, siz
     jdir.mkdir()
     log = jdir / "node.log"
     argv = node_argv(ip=tb.host_ip(host), port=PORT + 1 + j, run_id=args.run_id, workdir=jdir, model=args.model,
-                     inner_steps=args.inner_steps, min_peers=args.donors, max_rounds=1, bootstrap=bootstrap)
+                     inner_steps=args.inner_steps, min_peers=args.donors, max_rounds=1, bootstrap=bootstrap,
+                     heartbeat=heartbeat_for(args.rtt))
     started = time.time()
     with open(log, "wb") as f:
         proc = tb.run(host, argv, stdout=f, stderr=subprocess.STDOUT, cwd=jdir)
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
     rows, notes = [], []
     try:
         with netbed.Testbed(args.donors + 1, rates=[args.rate] * args.donors + [joiner_rate],
-                            prefix=f"{args.prefix}{os.getpid() % 100000}j") as tb:
+                            prefix=f"{args.prefix}{os.getpid() % 100000}j", **wan_settings(args)) as tb:
             procs, logs = [], []
             bootstrap = None
             for i in range(args.donors):  # donor 0 first: the others bootstrap from it
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> dict:
                 ddir.mkdir()
                 logs.append(ddir / "node.log")
                 argv = node_argv(ip=tb.host_ip(i), port=PORT, run_id=args.run_id, workdir=ddir, model=args.model,
-                                 inner_steps=args.inner_steps, min_peers=args.donors, bootstrap=bootstrap)
+                                 inner_steps=args.inner_steps, min_peers=args.donors, bootstrap=bootstrap,
+                                 heartbeat=heartbeat_for(args.rtt))
                 with open(logs[i], "wb") as f:
                     procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, cwd=ddir))
                 if i == 0:
@@ -176,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
     summary = {
-        "model": args.model, "donors": args.donors, "state_bytes": size,
+        "model": args.model, "donors": args.donors, "state_bytes": size, "rtt_ms": args.rtt,
         "seconds": median(r["seconds"] for r in rows), "bound_seconds": size * 8 / joiner_bps,
         "ratio_to_bound": median(r["ratio_to_bound"] for r in rows),
         "start_to_synced_s": median(r["start_to_synced_s"] for r in rows),
@@ -195,5 +199,6 @@ def run(args: argparse.Namespace) -> dict:
                  f"donor round before {fmt(summary['donor_round_before_s'])}, during {fmt(summary['donor_round_during_s'])}")
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "summary": summary,
             "config": {"donors": args.donors, "rate": args.rate, "joiner_rate": joiner_rate, "model": args.model,
+                       "rtt_ms": args.rtt, "loss_percent": args.loss, "tcp_buffers": args.tcp_buffers,
                        "inner_steps": args.inner_steps, "joins": args.joins, "warmup_rounds": args.warmup_rounds},
             "donor_commits": donor_logs, "impact": impact, "load_average": os.getloadavg()}

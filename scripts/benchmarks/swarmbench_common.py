@@ -21,7 +21,15 @@ NODE_BIN = Path(sys.executable).with_name("gonka-node")
 
 # Settings every benchmark node gets: small batches so a 2-core machine runs
 # several nodes, a fast heartbeat so peers notice each other within a second.
-FAST_NODE_SETTINGS = ["--set", "swarm.heartbeat_interval=0.5", "--set", "data.batch_size=4", "--set", "data.seq_len=64"]
+FAST_NODE_SETTINGS = ["--set", "data.batch_size=4", "--set", "data.seq_len=64"]
+# Heartbeats every 0.5 s on the LAN testbed (the default is 2 s). A heartbeat lives 3 intervals,
+# and storing one in the DHT takes a few round trips: far apart, the interval grows with the RTT.
+FAST_HEARTBEAT_S = 0.5
+
+
+def heartbeat_for(rtt_ms: float) -> float:
+    """The testbed nodes' heartbeat interval for hosts ``rtt_ms`` apart: 0.5 s, or 8 RTTs if longer."""
+    return max(FAST_HEARTBEAT_S, 8 * rtt_ms / 1000)
 
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) "
 COMMIT = re.compile(_STAMP + r"INFO gonka\.node: committed round=(\d+) hash=([0-9a-f]+) members=(\d+) group=(\S*) "
@@ -103,12 +111,13 @@ def state_bytes(preset: str) -> int:
 
 def node_argv(*, ip: str, port: int, run_id: str, workdir: Path, model: str, inner_steps: int, min_peers: int,
               max_rounds: int = 0, bootstrap: str | None = None, metrics_port: int | None = None,
-              extra: list[str] = ()) -> list[str]:
+              extra: list[str] = (), heartbeat: float = FAST_HEARTBEAT_S) -> list[str]:
     """`gonka-node start` for a testbed host: listens on its own address, no control socket, 1 torch thread."""
     argv = [str(NODE_BIN), "start", "--run-id", run_id, "--listen", f"/ip4/{ip}/tcp/{port}", "--model", model,
             "--inner-steps", str(inner_steps), "--min-peers", str(min_peers), "--max-rounds", str(max_rounds),
             "--threads", "1", "--device", "cpu", "--control", "off", "--status-file", str(workdir / "status.json"),
-            "--metrics-addr", f"{ip}:{metrics_port}" if metrics_port else "off", *FAST_NODE_SETTINGS, *extra]
+            "--metrics-addr", f"{ip}:{metrics_port}" if metrics_port else "off", *FAST_NODE_SETTINGS,
+            "--set", f"swarm.heartbeat_interval={heartbeat:g}", *extra]
     if bootstrap:
         argv += ["--bootstrap", bootstrap]
     return argv

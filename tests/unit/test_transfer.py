@@ -230,3 +230,59 @@ async def test_a_chain_lacking_only_its_newest_certificate_is_waited_for_and_for
                                                     {"reason": "bad_certificate"}) == 1
     finally:
         await stop_peers(peers)
+
+
+async def test_chunks_are_pulled_several_at_a_time_and_a_lying_donor_counts_once(monkeypatch):
+    # Far apart, one request in flight per donor carried a chunk every ~5 round trips: a joiner
+    # 250 ms away never finished before the swarm's next round. Several are in flight now; a
+    # donor whose chunks fail their digests is dropped at the first, and the others serve its share.
+    import dataclasses
+
+    from p2p import transfer
+    from p2p.commits import CommitLog
+    from p2p.transfer import StateServer
+    from tests.unit.test_rounds import start_peers, stop_peers
+
+    peers = await start_peers(3)
+    try:
+        (honest, _, h_metrics), (liar, _, l_metrics), (joiner, _, _) = peers
+        params, momentum = [torch.randn(1 << 18)], [torch.randn(1 << 18)]
+        good = Snapshot.build(5, "g", params, momentum, 1 << 16)  # 32 chunks
+        bad = dataclasses.replace(good, blob=bytes(len(good.blob)))  # the same description, zero bytes
+        servers = []
+        for donor, metrics, snap in ((honest, h_metrics, good), (liar, l_metrics, bad)):
+            server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
+            await server.start()
+            server.serve(snap)
+            servers.append(server)
+        async with asyncio.timeout(20):
+            while not all([joiner.peer_id in await d.refresh_peers() for d in (honest, liar)]):
+                await asyncio.sleep(0.05)
+        in_flight, most = {"n": 0}, {"n": 0}
+        serve_range = transfer.serve_range
+
+        asked = {"liar": 0}
+
+        async def counted(snap, *args):
+            asked["liar"] += snap is bad
+            if snap is good:
+                in_flight["n"] += 1
+                most["n"] = max(most["n"], in_flight["n"])
+                await asyncio.sleep(0.02)  # a far donor: the next request comes before this one is done
+            try:
+                await serve_range(snap, *args)
+            finally:
+                in_flight["n"] -= snap is good
+
+        monkeypatch.setattr(transfer, "serve_range", counted)
+        download = transfer.StateDownload(joiner, peers[2][2], servers[0].name)
+        got = await download.run(5, "g", [honest.peer_id, liar.peer_id], [[1 << 18]])
+        assert got.blob == good.blob
+        assert most["n"] > 1
+        # Each bad chunk is counted; none is asked for after the first came back bad.
+        bad_chunks = peers[2][2].registry.get_sample_value("gonka_node_rejected_messages_total",
+                                                           {"reason": "bad_state_chunk"})
+        assert 1 <= bad_chunks <= transfer.PULLS_PER_DONOR
+        assert bad_chunks <= asked["liar"] <= transfer.PULLS_PER_DONOR
+    finally:
+        await stop_peers(peers)
