@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from . import (aggregate, allreduce, codecs, convergence, dataloader, gpu, hostranks, join, memory, overhead, prepare,
-               scale, trust, utilization)
+from . import (aggregate, allreduce, codecs, convergence, dataloader, gpu, hostranks, join, killed, memory, overhead,
+               prepare, scale, trust, utilization)
 
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "aggregate": aggregate.run,
@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "gpu": gpu.run,
     "hostranks": hostranks.run,
     "join": join.run,
+    "killed": killed.run,
     "memory": memory.run,
     "overhead": overhead.run,
     "prepare": prepare.run,
@@ -41,6 +42,7 @@ ARGUMENTS: dict[str, Callable[[Any], None]] = {
     "gpu": gpu.add_arguments,
     "hostranks": hostranks.add_arguments,
     "join": join.add_arguments,
+    "killed": killed.add_arguments,
     "memory": memory.add_arguments,
     "overhead": overhead.add_arguments,
     "prepare": prepare.add_arguments,

@@ -19,8 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 SCRIPTS = ROOT / "scripts"
 NODE_BIN = Path(sys.executable).with_name("gonka-node")
 
-# Settings every benchmark node gets: small batches so a 2-core machine runs
-# several nodes, a fast heartbeat so peers notice each other within a second.
+# Settings every benchmark node gets: small batches so a 2-core machine runs several nodes.
 FAST_NODE_SETTINGS = ["--set", "data.batch_size=4", "--set", "data.seq_len=64"]
 # Heartbeats every 0.5 s on the LAN testbed (the default is 2 s). A heartbeat lives 3 intervals,
 # and storing one in the DHT takes a few round trips: far apart, the interval grows with the RTT.
@@ -30,6 +29,7 @@ FAST_HEARTBEAT_S = 0.5
 def heartbeat_for(rtt_ms: float) -> float:
     """The testbed nodes' heartbeat interval for hosts ``rtt_ms`` apart: 0.5 s, or 8 RTTs if longer."""
     return max(FAST_HEARTBEAT_S, 8 * rtt_ms / 1000)
+
 
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) "
 COMMIT = re.compile(_STAMP + r"INFO gonka\.node: committed round=(\d+) hash=([0-9a-f]+) members=(\d+) group=(\S*) "
