@@ -448,7 +448,9 @@ class StateDownload:
                     done.set()
 
         pulls = max(1, min(PULLS_PER_DONOR, MAX_PULLS // len(donors)))
-        workers = [asyncio.create_task(pull(d)) for d in donors for _ in range(pulls)]
+        # Round-robin: every donor's first pull starts before any donor's second, so a state of
+        # few chunks is still spread over all donors.
+        workers = [asyncio.create_task(pull(d)) for _ in range(pulls) for d in donors]
         try:
             await done.wait()
         finally:
