@@ -20,7 +20,13 @@ from typing import Awaitable, Callable
 
 from p2p.exchange import off_loop
 from p2p.group import Group, RoundFailed
+from p2p.limits import BoundedDict
 from p2p.wire import WireError, field as hfield, read_frame, reply, write_frame
+
+# An input bigger than this is fetched in ranges of it, all at once: each request is a new
+# stream, whose window starts at 256 KiB and doubles each round trip, so a 1 MiB fp32 piece
+# in one reply took ~3 round trips of data; in four it takes one (docs/wan.md).
+AUDIT_SPAN = 256 * 1024
 
 
 class PartAudit:
@@ -37,6 +43,9 @@ class PartAudit:
         self._reject = reject
         self._offence = offence
         self.request_timeout = request_timeout
+        # Our input to a piece, once per (group, part, piece): an auditor asks for it in ranges,
+        # and a failed check of the owner's declaration must count once, not once a range.
+        self._inputs: BoundedDict = BoundedDict(64)
 
     async def check_when_placed(self, group: Group, others: list[str], deadline: float) -> None:
         """``check``, as soon as the part it samples is in: while the other parts still arrive."""
@@ -55,17 +64,23 @@ class PartAudit:
         start, end = group.pieces[index][k]
         expected = self.codec.wire_bytes(end - start)
 
-        async def fetch(i: int) -> bytes:
-            if i == group.index:
-                return await self.own_input(group, index, k)
-            header, payload = await self._call(group.members[i], "audit", {"g": group.id, "j": index, "k": k},
-                                               max_payload=expected)
+        async def fetch_range(i: int, offset: int, size: int) -> bytes:
+            request = {"g": group.id, "j": index, "k": k}
+            if size < expected:
+                request.update(o=offset, n=size)
+            header, payload = await self._call(group.members[i], "audit", request, max_payload=size)
             if header.get("ok") is False:  # it failed the round (the owner lied about its input): no blame
                 raise RoundFailed("peer_failed", str(header.get("reason"))[:40])
-            if len(payload) != expected:
+            if len(payload) != size:
                 group.blame.setdefault(group.members[i], "audit_failed")
                 raise RoundFailed("audit_failed", f"{group.members[i][-8:]} sent no input")
             return payload
+
+        async def fetch(i: int) -> bytes:
+            if i == group.index:
+                return await self.own_input(group, index, k)
+            ranges = [(o, min(AUDIT_SPAN, expected - o)) for o in range(0, expected, AUDIT_SPAN)]
+            return b"".join(await asyncio.gather(*(fetch_range(i, o, n) for o, n in ranges)))
 
         payloads = await asyncio.gather(*(fetch(i) for i in range(len(group.members))))
         culprit = await off_loop(group.audit, index, k, payloads)
@@ -93,6 +108,13 @@ class PartAudit:
         """Our input to piece ``k`` of part ``j`` (re-encoded: the same bytes), once the owner's
         declaration of it is here and records it. If it does not, the owner lied about our
         input: the round fails here (the owner blamed) before the audit could blame us."""
+        key = (group.id, j, k)
+        found = self._inputs.get(key)
+        if found is None:
+            found = self._inputs[key] = asyncio.ensure_future(self._own_input(group, j, k))
+        return await asyncio.shield(found)
+
+    async def _own_input(self, group: Group, j: int, k: int) -> bytes:
         await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout)
         payload = await off_loop(group.contribution, j, k)
         try:
@@ -105,14 +127,22 @@ class PartAudit:
         return payload
 
     async def on_audit(self, group: Group, header: dict, writer) -> None:
-        """An auditor asks for our input to one piece of one part."""
+        """An auditor asks for our input to one piece of one part, or (``o``, ``n``) for ``n`` of
+        its bytes from offset ``o`` (``AUDIT_SPAN``)."""
         j, k = self._piece(group, header)
+        start, end = group.pieces[j][k]
+        size = self.codec.wire_bytes(end - start)
+        offset, length = 0, size
+        if "o" in header or "n" in header:
+            offset, length = hfield(header, "o", int), hfield(header, "n", int)
+            if not (0 <= offset < size and 0 < length <= size - offset):
+                raise WireError("bad_field", "audit range")
         try:
             payload = await self.own_input(group, j, k)
         except RoundFailed as e:
             await reply(writer, {"ok": False, "reason": e.reason})
             return
-        self.metrics.sent_bytes.inc(await write_frame(writer, {"ok": True}, payload))
+        self.metrics.sent_bytes.inc(await write_frame(writer, {"ok": True}, payload[offset:offset + length]))
 
     async def on_evidence(self, group: Group, sender: str, header: dict, reader, writer) -> None:
         """An auditor's evidence that the owner of a part lied: every member's input to the piece.

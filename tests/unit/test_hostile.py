@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from p2p import audit
 from p2p.compression import part_bounds
 from p2p.group import _DECLARED, Group
 from p2p.hostile import Behaviour
@@ -176,8 +177,12 @@ async def _keep_averaging(rounds, x, at=lambda: 0):
         await asyncio.sleep(0.1)
 
 
-async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same_round():
+@pytest.mark.parametrize("span", [None, 1024], ids=["whole_piece", "in_ranges"])
+async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same_round(span, monkeypatch):
     # All three in the first group (min_peers=3), so the audit of the altered part happens in it.
+    # in_ranges: the auditor fetches each input in 1 KiB ranges (p2p/audit.py AUDIT_SPAN).
+    if span:
+        monkeypatch.setattr(audit, "AUDIT_SPAN", span)
     peers = sorted(await start_peers(3, min_peers=3, **STEADY), key=lambda p: p[0].peer_id)
     try:
         rounds = [r for _, r, _ in peers]
@@ -206,10 +211,14 @@ async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same
         await stop_peers(peers)
 
 
-async def test_an_owner_that_misreports_an_input_is_caught_by_that_member_when_it_is_audited(monkeypatch):
+@pytest.mark.parametrize("span", [None, 1024], ids=["whole_piece", "in_ranges"])
+async def test_an_owner_that_misreports_an_input_is_caught_by_that_member_when_it_is_audited(span, monkeypatch):
     # The owner of part 1 declares a wrong hash for member 0's input to every piece of its part.
     # Member 0 checks its own entry only when an auditor asks for that input (member 2 audits
-    # part 1): it refuses to hand it over, blames the owner, and nobody blames member 0.
+    # part 1): it refuses to hand it over, blames the owner, and nobody blames member 0. Asked
+    # in ranges, it counts the lie once.
+    if span:
+        monkeypatch.setattr(audit, "AUDIT_SPAN", span)
     peers = sorted(await start_peers(3, min_peers=3, **STEADY), key=lambda p: p[0].peer_id)
     try:
         rounds = [r for _, r, _ in peers]
