@@ -123,12 +123,10 @@ class Reachability:
             self._answered.set()
         return self.reachable
 
-    async def settled(self, timeout: float = SETTLE_SECONDS, alone: bool = False) -> bool | None:
-        """Wait (at most ``timeout``) for the first answer, if a check runs; returns ``reachable``.
-        A node that does not check does not wait, nor does one alone unless ``alone`` (it cannot
-        round without peers: the first node of a swarm, whose peers come later, must not enter
-        its first round unchecked while they form it)."""
-        if self.checking and self.reachable is None and (self.swarm.peers or alone):
+    async def settled(self, timeout: float = SETTLE_SECONDS) -> bool | None:
+        """Wait (at most ``timeout``) for the first answer, if a check runs and there are peers to
+        ask; returns ``reachable``. A node alone, or one that does not check, does not wait."""
+        if self.checking and self.reachable is None and self.swarm.peers:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._answered.wait()

@@ -224,7 +224,7 @@ class RoundProtocol:
         if self.hostile.any and fresh:
             await off_loop(_hostile_input, flat, self.hostile)
         # Not ready before we know whether peers can dial us (a moment, once: p2p/reachability.py).
-        await self.reachability.settled(alone=self.min_peers > 1)
+        await self.reachability.settled()
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state, donated)
