@@ -106,5 +106,8 @@ def test_two_of_five_nodes_behind_separate_nats_train_in_every_round(tmp_path):
         for i in range(n):
             commits = re.findall(r"committed round=(\d+) .*?members=(\d+)", logs[i].read_text())
             assert commits and all(m == str(n) for _, m in commits), (i, commits, logs[i].read_text()[-3000:])
-            # ...at the first attempt: nodes wait for their dial-back answer before their first round.
-            assert "aborted" not in logs[i].read_text(), logs[i].read_text()[-3000:]
+            # Nodes wait for their dial-back answer before their first round, but the first node may
+            # enter it alone, before anyone can dial it back (docs/wan.md, "Limits"): its first
+            # attempt may abort once as unreachable. None after the first round.
+            aborts = re.findall(r"aborted round=(\d+)", logs[i].read_text())
+            assert set(aborts) <= {"1"} and len(aborts) <= 1, logs[i].read_text()[-3000:]
