@@ -1,9 +1,11 @@
 """Where the model comes from: a built-in preset or a local Hugging Face directory.
 
-Both are Hugging Face causal LMs, so one code path serves the demo, the tests and
-real runs: the presets are small Llama configs over a byte vocabulary (a token
-is a byte, no tokenizer file needed), ``hf:PATH`` is any causal-LM architecture
-transformers knows, read from ``PATH/config.json`` and never from a hub.
+Both are Hugging Face causal LMs: the presets are small Llama configs over a
+byte vocabulary (a token is a byte, no tokenizer file needed), built as
+transformers' ``LlamaForCausalLM`` with the same bits but without importing
+transformers (``trainer/presets.py``: that import is most of a node's start-up);
+``hf:PATH`` is any causal-LM architecture transformers knows, read from
+``PATH/config.json`` and never from a hub.
 
 Initial parameters must be bit-identical on every peer, whatever its device or
 CPU: a random init is built on the CPU with transformers' own init scheme for
@@ -33,22 +35,9 @@ import torch.nn.functional as F
 
 from trainer.config import ModelConfig
 from trainer.parallel import local_tensor, own_rows
+from trainer.presets import BYTE_VOCAB, PRESETS, PresetLlama, preset_fields
 
 log = logging.getLogger(__name__)
-
-# Byte-level presets: a token is a byte value.
-BYTE_VOCAB = 256
-
-# Parameter counts (tied embeddings): tiny ~0.82M, small ~25M, base ~128M.
-PRESETS: dict[str, dict] = {
-    "tiny": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
-             "max_position_embeddings": 128},
-    "small": {"hidden_size": 512, "intermediate_size": 1368, "num_hidden_layers": 8, "num_attention_heads": 8,
-              "max_position_embeddings": 256},
-    "base": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 12,
-             "max_position_embeddings": 512},
-}
-
 
 @dataclass(slots=True)
 class LoadedModel:
@@ -70,11 +59,12 @@ class LoadedModel:
 
 
 def preset_config(name: str):
+    """The preset as transformers' own config (tests and benchmarks build its LlamaForCausalLM)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=BYTE_VOCAB, num_key_value_heads=PRESETS[name]["num_attention_heads"],
-                       tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
-                       pad_token_id=None, **PRESETS[name])
+    fields = preset_fields(name)
+    del fields["model_type"], fields["architectures"]
+    return LlamaConfig(**fields)
 
 
 def _fail(path: str, what: str) -> ValueError:
@@ -210,6 +200,16 @@ def _empty_model(config, *, on_meta: bool) -> nn.Module:
     return model
 
 
+def _empty_preset(name: str, *, on_meta: bool) -> nn.Module:
+    """A preset allocated without drawing its init (``on_meta``: parameters left on the meta
+    device, to be sharded; buffers computed on the CPU either way)."""
+    model = PresetLlama(name)
+    if on_meta:
+        model.model.rotary_emb.compute_buffers()
+        return model
+    return model.allocate()
+
+
 def _initialise(model: nn.Module, seed: int, *, sharded: bool) -> None:
     """Random init, once, deterministically (on a sharded model: each rank its rows)."""
     with torch.no_grad():
@@ -217,8 +217,13 @@ def _initialise(model: nn.Module, seed: int, *, sharded: bool) -> None:
             local_tensor(p).fill_(float("nan"))  # whatever the init scheme misses must show, not be garbage memory
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
-    with _seeded_init(generator, seed):
-        model.initialize_weights()
+    if isinstance(model, PresetLlama):
+        from trainer.determinism import seeded_normal_
+
+        model.initialize_weights(_rows_only(lambda t, mean, std: seeded_normal_(t, std, generator, mean=mean)))
+    else:
+        with _seeded_init(generator, seed):
+            model.initialize_weights()
     if not sharded:
         model.tie_weights()
     missed = [name for name, p in model.named_parameters() if torch.isnan(local_tensor(p)).any()]
@@ -337,15 +342,17 @@ def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
     device, so that a rank only ever holds its own rows: of a random init, or read from the
     safetensors files (a checkpoint whose names transformers converts is still loaded whole)."""
     path = cfg.hf_path
-    if path is None:
-        config, tokenizer_dir = preset_config(cfg.source), None
+    if path is None:  # a preset: built without transformers (trainer/presets.py)
+        config, tokenizer_dir = None, None
     else:
         path = os.path.abspath(path)
         config = read_hf_config(path)
         tokenizer_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     random = path is None or cfg.init not in ("auto", "pretrained")
     rows_from = None  # a sharded pretrained model: where each parameter's rows are read from
-    if random:
+    if path is None:
+        module = _empty_preset(cfg.source, on_meta=shard is not None)
+    elif random:
         module = _empty_model(config, on_meta=shard is not None)
     else:
         module = _empty_model(config, on_meta=True) if shard is not None else None
@@ -366,12 +373,17 @@ def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
         _initialise(module, seed, sharded=shard is not None)
     elif rows_from is not None:
         _load_rows(module, rows_from)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if not isinstance(context, int) or context < 2:
-        raise _fail(path or cfg.source, "config.json has no usable max_position_embeddings")
+    if config is None:
+        config_dict = preset_fields(cfg.source)
+        context = config_dict["max_position_embeddings"]
+    else:
+        config_dict = config.to_dict()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        if not isinstance(context, int) or context < 2:
+            raise _fail(path, "config.json has no usable max_position_embeddings")
     vocab = module.get_input_embeddings().weight.shape[0]
-    return LoadedModel(module=module, source=cfg.source, config=config.to_dict(), vocab_size=vocab, context=context,
+    return LoadedModel(module=module, source=cfg.source, config=config_dict, vocab_size=vocab, context=context,
                        param_names=[name for name, _ in module.named_parameters()], tokenizer_dir=tokenizer_dir,
                        byte_level=path is None)
 

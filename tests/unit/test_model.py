@@ -57,7 +57,8 @@ def test_tied_embeddings_and_rotary_buffers_come_out_right():
     assert "lm_head.weight" not in loaded.param_names and len(loaded.param_names) == len(list(m.parameters()))
     # Rotary frequencies are buffers, not parameters: computed from the config, not drawn.
     head_dim = 128 // 4
-    expected = 1.0 / (m.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    theta = loaded.config["rope_parameters"]["rope_theta"]
+    expected = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     assert torch.allclose(m.model.rotary_emb.inv_freq, expected)
     reference = AutoModelForCausalLM.from_config(preset_config("tiny"))
     for (name, buf), (ref_name, ref) in zip(m.named_buffers(), reference.named_buffers()):
