@@ -1,6 +1,6 @@
 """The node's training loop: inner steps, one swarm round, commit or re-sync, checkpoint.
 
-Read it top to bottom: ``run`` is the whole algorithm of DESIGN.md as one
+Read it top to bottom: ``run`` is the whole algorithm of docs/design.md as one
 peer sees it. Heavy work (inner steps, the outer step, evaluation) runs in a
 worker thread so the event loop keeps serving the swarm meanwhile.
 """

@@ -1,4 +1,4 @@
-"""The swarm layer on libp2p: peer records, rounds, state transfer (DESIGN.md has the map).
+"""The swarm layer on libp2p: peer records, rounds, state transfer (docs/design.md has the map).
 
 hivemind's package ``__init__`` imports all of hivemind: its averager, mixture-of-experts and
 optimizers, and scipy with them — about 0.8 s of every node's start-up on two cores, for modules

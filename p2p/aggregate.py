@@ -1,7 +1,7 @@
 """How the owner of a part combines the members' contributions to one piece (``swarm.aggregator``).
 
 Every member of a round applies what the owner computes, so no single member may be able to drag
-it far (DESIGN.md, trust model). Each aggregator is a pure function over one piece: the members'
+it far (docs/design.md, trust model). Each aggregator is a pure function over one piece: the members'
 token weights (already capped, > 0) and their decoded fp32 values, in member order; it returns
 the aggregated fp32 piece.
 

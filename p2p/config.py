@@ -97,7 +97,7 @@ class SwarmConfig:
     # Seconds between two announcements of this peer's state in the DHT;
     # a peer silent for 3 intervals is considered gone.
     heartbeat_interval: float = 2.0
-    # ---- trust (DESIGN.md, trust model) ----
+    # ---- trust (docs/design.md, trust model) ----
     # Closed swarm: peer ids admitted to the run. With any of allow, allow_file
     # or authority set, every other peer is kept out of the DHT records,
     # routing tables, rounds and state of the run.

@@ -1,7 +1,7 @@
 """Owner-bound DHT records: what a node accepts under the run's keys, and how it signs its own.
 
 hivemind's DHT keeps, under each subkey, whichever entry expires later, from
-any writer (DESIGN.md, known hivemind behaviour). Left alone, anyone could
+any writer (docs/design.md, known hivemind behaviour). Left alone, anyone could
 overwrite another peer's heartbeat or block the whole peer table with a plain
 value. ``RunRecordValidator`` is handed to ``DHTNode.create`` and checks every
 record this node is asked to store and every record a lookup returns:

@@ -310,7 +310,7 @@ class Swarm:
                 identity_path=identity_path,
                 # A fresh ephemeral key is nobody else's: skip hivemind's probe for a duplicate.
                 check_if_identity_free=check_identity,
-                # DESIGN.md network rules: no UPnP, AutoNAT, relays or IPFS unless asked for.
+                # docs/design.md network rules: no UPnP, AutoNAT, relays or IPFS unless asked for.
                 nat_port_map=nat,
                 auto_nat=nat,
                 use_relay=nat,

@@ -17,7 +17,7 @@ the timed syncs are reported:
   lossy codec by default: each repeat then syncs the vector plus what the
   previous one dropped);
 - ``hivemind``: ``DecentralizedAverager.step`` (codecs none and float16;
-  its 8-bit codecs are broken with numpy >= 2.4, see DESIGN.md);
+  its 8-bit codecs are broken with numpy >= 2.4, see docs/design.md);
 - ``gloo``: ``torch.distributed.all_reduce`` (fp32).
 
 ``seconds`` is end to end: from the moment the last peer calls the averaging

@@ -251,7 +251,7 @@ def run_hivemind(args, x: torch.Tensor, deadline: float) -> dict:
     if args.index > 0:
         wait_for_file(addr_file, deadline)
         initial = json.loads(addr_file.read_text())
-    # DESIGN.md network rules: DHT forwards these to P2P.create (no UPnP, AutoNAT, relays, IPFS).
+    # docs/design.md network rules: DHT forwards these to P2P.create (no UPnP, AutoNAT, relays, IPFS).
     dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
                        nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False,
                        use_ipfs=False)

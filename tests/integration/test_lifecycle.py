@@ -31,7 +31,7 @@ def test_sigterm_stops_cleanly_and_takes_children_along(nodes):
     assert re.search(r"^gonka_node_allreduce_seconds_count [1-9]", text, re.M)
     p2pd = _p2pd(node)
     args = Path(f"/proc/{p2pd}/cmdline").read_bytes().split(b"\0")
-    # DESIGN.md network rules: nothing beyond the addresses we are given.
+    # docs/design.md network rules: nothing beyond the addresses we are given.
     for flag in (b"-natPortMap=0", b"-autonat=0", b"-relay=0", b"-b=0"):
         assert flag in args, args
     assert any(a.startswith(b"-hostAddrs=/ip4/127.0.0.1/") for a in args), args
