@@ -1,9 +1,10 @@
 """The `gonka-node` command: start a node, ask a running one how it is doing.
 
-Exit codes: 0 success; 2 a bad flag or setting, reported as one line on
-stderr naming it; 1 a runtime failure (no node answering, the node failed).
-Heavy imports (torch, hivemind, the daemon) happen inside the subcommands,
-so `--help` and mistakes in flags answer at once.
+Exit codes (node/errors.py): 0 success; 2 a bad flag, setting or path, reported
+as one line on stderr naming it; 1 a runtime failure (no node answering, the
+node failed) or a bug, with a traceback. Heavy imports (torch, hivemind, the
+daemon) happen inside the subcommands, so `--help` and mistakes in flags answer
+at once.
 """
 
 from __future__ import annotations
@@ -18,15 +19,11 @@ from typing import Any, NoReturn
 
 from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd, top_cmd
 from node.config import ConfigError, load_config, to_toml
+from node.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, PROG, UsageError, report, version
 
-PROG = "gonka-node"
 # A ValueError whose message starts with a dotted key is a bad setting found
 # late (e.g. a corrupt identity file): the user's mistake, so exit code 2.
 _SETTING_ERROR = re.compile(r"^[a-z]+\.[a-z_]+: ")
-
-
-class UsageError(Exception):
-    """Bad command-line usage; reported as one line with exit code 2."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -34,10 +31,6 @@ class ArgumentParser(argparse.ArgumentParser):
     # bad flag is easier to read and to test.
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
-
-
-def _fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
 # (flag, config key, argparse options) of `gonka-node start`. Flags left out
@@ -152,12 +145,11 @@ def _cmd_start(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         message = str(exc)
         if exc.key in flag_of and "(from " not in message:
-            message += f" (from {flag_of[exc.key]})"
-        _fail(message)
-        return 2
+            raise ConfigError(f"{message} (from {flag_of[exc.key]})", exc.key) from None
+        raise
     if getattr(args, "print_config", False):
         sys.stdout.write(to_toml(config))
-        return 0
+        return EXIT_OK
     logformat.configure(config.node.log_level, config.node.log_format)
     if config.host.nproc_per_node > 1:
         from trainer.parallel import launched
@@ -168,8 +160,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
             try:
                 check_host(config)
             except ValueError as exc:
-                _fail(str(exc))
-                return 2
+                report(str(exc))
+                return EXIT_USAGE
             return launch_host(config, args.argv)
         if int(os.environ["RANK"]) > 0:
             from node.follower import run_follower
@@ -180,18 +172,18 @@ def _cmd_start(args: argparse.Namespace) -> int:
     try:
         return run_node(config)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except ValueError as exc:
         if _SETTING_ERROR.match(str(exc)):
-            _fail(str(exc))
-            return 2
+            report(str(exc))
+            return EXIT_USAGE
         logging.getLogger(PROG).exception("node failed")
-        _fail(str(exc))
-        return 1
+        report(str(exc))
+        return EXIT_RUNTIME
     except Exception as exc:
         logging.getLogger(PROG).exception("node failed")
-        _fail(str(exc) or type(exc).__name__)
-        return 1
+        report(str(exc) or type(exc).__name__)
+        return EXIT_RUNTIME
 
 
 def _control_path(args: argparse.Namespace) -> str:
@@ -231,7 +223,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     status = _ask(args, "status")
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
-        return 0
+        return EXIT_OK
     if not isinstance(status, dict):
         raise RuntimeError(f"unexpected status reply: {status!r}")
     # The listed fields first, in a fixed order; whatever else the node
@@ -240,7 +232,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     width = max(len(k) for k in keys)
     for key in keys:
         print(f"{key.replace('_', ' '):<{width}}  {_fmt(status.get(key))}")
-    return 0
+    return EXIT_OK
 
 
 PEER_COLUMNS = ("peer_id", "state", "round", "params_hash")
@@ -250,7 +242,7 @@ def _cmd_peers(args: argparse.Namespace) -> int:
     peers = _ask(args, "peers")
     if args.json:
         print(json.dumps(peers, indent=2, sort_keys=True))
-        return 0
+        return EXIT_OK
     if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
         raise RuntimeError(f"unexpected peers reply: {peers!r}")
     columns = list(PEER_COLUMNS)
@@ -260,7 +252,7 @@ def _cmd_peers(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    return 0
+    return EXIT_OK
 
 
 def _cmd_identity(args: argparse.Namespace) -> int:
@@ -271,22 +263,12 @@ def _cmd_identity(args: argparse.Namespace) -> int:
     else:
         print(peer_id_from_key(generate_identity()))
         print(f"{PROG}: this identity is ephemeral (not saved); pass --identity PATH to keep one", file=sys.stderr)
-    return 0
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
-    try:
-        return package_version("gonka-node")
-    except PackageNotFoundError:
-        return "0.1.0+unknown"
+    return EXIT_OK
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
     print(f"{PROG} {version()}")
-    return 0
+    return EXIT_OK
 
 
 COMMANDS = {
@@ -309,22 +291,22 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what a host's ranks run again
         return COMMANDS[args.command](args)
-    except (UsageError, ConfigError) as exc:
-        _fail(str(exc))
-        return 2
+    except UsageError as exc:  # ConfigError too
+        report(str(exc))
+        return EXIT_USAGE
     except ValueError as exc:
         # Bad settings found outside load_config (identity file) name their key.
         if _SETTING_ERROR.match(str(exc)):
-            _fail(str(exc))
-            return 2
+            report(str(exc))
+            return EXIT_USAGE
         raise
     except BrokenPipeError:
         # Output piped into something that stopped reading (`| head`): not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return EXIT_OK
     except (ConnectionError, RuntimeError) as exc:
-        _fail(str(exc))
-        return 1
+        report(str(exc))
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ Every setting lives in exactly one section dataclass (``node`` here, the others
 next to the code they configure) and is addressed as ``section.field``. The
 effective value comes from, lowest to highest precedence: the dataclass
 default, the TOML file, a ``GONKA_<SECTION>_<FIELD>`` environment variable,
-and the command line. Any bad value becomes a ``ConfigError`` whose message is
-one line naming the key (and where the value came from), which the CLI prints
-as is with exit code 2.
+and the command line. Any bad value becomes a ``ConfigError`` (node/errors.py)
+whose message is one line naming the key (and where the value came from),
+which the CLI prints as is with exit code 2.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from node.errors import ConfigError
 from p2p.config import SwarmConfig
 from trainer.config import DataConfig, HostConfig, InnerConfig, ModelConfig, OuterConfig, require
 
@@ -32,16 +33,6 @@ ENV_PREFIX = "GONKA_"
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 _MAX_SOCKET_PATH = 107
-
-
-class ConfigError(ValueError):
-    """A bad setting; ``str(error)`` is one line that names the key or source."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        # The dotted key at fault, when there is one: lets the CLI say which
-        # flag set it.
-        self.key = key
 
 
 def default_control_path(run_id: str, environ: Mapping[str, str] | None = None) -> str:

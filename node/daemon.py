@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -23,6 +22,7 @@ import torch
 
 from node import history
 from node.config import Config
+from node.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError, report, version
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
 from p2p.swarm import parse_observed
@@ -30,31 +30,19 @@ from p2p.tcpsettings import TcpSettings
 
 log = logging.getLogger("gonka.node")
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 RANKS_CONNECT_SECONDS = 120.0  # the other ranks of a multi-rank host import torch and connect
 
 
-class UsageError(Exception):
-    """A user-supplied value turned out unusable at start-up (exit 2)."""
-
-
-def version() -> str:
-    try:
-        from importlib.metadata import version as dist_version
-
-        return dist_version("gonka-node")
-    except Exception:
-        return "0.1.0+unknown"
-
-
 def run_node(config: Config) -> int:
-    """Run a node until it stops; returns the process exit code."""
+    """Run a node until it stops; returns the process exit code.
+
+    Bad input found at start-up is reported here as one line (exit code 2)."""
     import uvloop
 
     try:
         return uvloop.run(Node(config).run())
     except UsageError as e:
-        print(f"gonka-node: error: {e}", file=sys.stderr)
+        report(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK
@@ -131,10 +119,10 @@ class Node:
                     task.cancel()
                 await asyncio.gather(*checks, return_exceptions=True)
             if self._failure is not None:
-                print(f"gonka-node: error: {self._failure}", file=sys.stderr, flush=True)
+                report(self._failure)
                 code = EXIT_RUNTIME
         except RunMismatch as e:
-            print(f"gonka-node: error: {e}", file=sys.stderr, flush=True)
+            report(str(e))
             code = EXIT_USAGE
         except Exception:
             log.exception("training loop failed")

@@ -19,11 +19,10 @@ import tempfile
 import uuid
 
 from node.config import Config
+from node.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 from node.ranks import SOCKET_ENV
 
 log = logging.getLogger("gonka.node")
-
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
 def check_host(config: Config) -> None:
