@@ -13,17 +13,12 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from typing import Any, NoReturn
 
 from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd, top_cmd
-from node.config import ConfigError, load_config, to_toml
+from node.config import ConfigError, load_config, setting_errors, to_toml
 from node.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, PROG, UsageError, report, version
-
-# A ValueError whose message starts with a dotted key is a bad setting found
-# late (e.g. a corrupt identity file): the user's mistake, so exit code 2.
-_SETTING_ERROR = re.compile(r"^[a-z]+\.[a-z_]+: ")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -157,11 +152,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         if not launched():  # this process becomes the host's launcher; the ranks run start again
             from node.launch import check_host, launch_host
 
-            try:
-                check_host(config)
-            except ValueError as exc:
-                report(str(exc))
-                return EXIT_USAGE
+            check_host(config)  # a bad host setting: ConfigError, exit code 2
             return launch_host(config, args.argv)
         if int(os.environ["RANK"]) > 0:
             from node.follower import run_follower
@@ -170,17 +161,10 @@ def _cmd_start(args: argparse.Namespace) -> int:
     from node.daemon import run_node
 
     try:
-        return run_node(config)
+        return run_node(config)  # reports the user's bad input itself (exit code 2)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except ValueError as exc:
-        if _SETTING_ERROR.match(str(exc)):
-            report(str(exc))
-            return EXIT_USAGE
-        logging.getLogger(PROG).exception("node failed")
-        report(str(exc))
-        return EXIT_RUNTIME
-    except Exception as exc:
+    except Exception as exc:  # a fault, not bad input: with its traceback
         logging.getLogger(PROG).exception("node failed")
         report(str(exc) or type(exc).__name__)
         return EXIT_RUNTIME
@@ -259,7 +243,9 @@ def _cmd_identity(args: argparse.Namespace) -> int:
     from p2p.identity import generate_identity, load_or_create_identity, peer_id_from_key
 
     if args.identity:
-        print(load_or_create_identity(args.identity))
+        with setting_errors():  # a corrupt or unreadable key file: node.identity, exit code 2
+            peer_id = load_or_create_identity(args.identity)
+        print(peer_id)
     else:
         print(peer_id_from_key(generate_identity()))
         print(f"{PROG}: this identity is ephemeral (not saved); pass --identity PATH to keep one", file=sys.stderr)
@@ -291,15 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what a host's ranks run again
         return COMMANDS[args.command](args)
-    except UsageError as exc:  # ConfigError too
+    except UsageError as exc:  # ConfigError too; nothing else is the user's input
         report(str(exc))
         return EXIT_USAGE
-    except ValueError as exc:
-        # Bad settings found outside load_config (identity file) name their key.
-        if _SETTING_ERROR.match(str(exc)):
-            report(str(exc))
-            return EXIT_USAGE
-        raise
     except BrokenPipeError:
         # Output piped into something that stopped reading (`| head`): not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -11,12 +11,13 @@ which the CLI prints as is with exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,11 +299,42 @@ def load_config(*, toml_path: str | None, environ: Mapping[str, str], overrides:
         try:
             sections[section] = cls(**values[section])
         except ValueError as exc:
-            message = str(exc)
-            key = message.partition(":")[0]
-            source = sources.get(key)
-            raise ConfigError(message + (f" (from {source})" if source else ""), key) from None
+            error = setting_error(exc)
+            if error is None:  # no setting named: a fault in the validation itself
+                raise
+            source = sources.get(error.key)
+            raise ConfigError(str(error) + (f" (from {source})" if source else ""), error.key) from None
     return Config(**sections)
+
+
+def setting_error(exc: ValueError) -> ConfigError | None:
+    """``exc`` as the bad setting it reports, or None when it reports none.
+
+    The components validate what they are given and say which setting is wrong with
+    ``ValueError("section.key: ...")`` (trainer/config.py ``require``, and e.g. data.paths,
+    node.checkpoint_dir, node.identity found at start-up). Only a message that begins with a
+    real key is about the user's input (exit code 2); any other ValueError is a fault of the
+    program and must surface as one."""
+    if isinstance(exc, ConfigError):
+        return exc
+    message = str(exc)
+    key, colon, _ = message.partition(": ")
+    if not colon or _split_key(key) is None:
+        return None
+    return ConfigError(message, key)
+
+
+@contextlib.contextmanager
+def setting_errors() -> Iterator[None]:
+    """Around code handed the user's settings: a ValueError naming one becomes its ConfigError
+    (exit code 2); any other ValueError propagates as the fault it is."""
+    try:
+        yield
+    except ValueError as exc:
+        error = setting_error(exc)
+        if error is None or error is exc:
+            raise
+        raise error from None
 
 
 def _toml_string(text: str) -> str:

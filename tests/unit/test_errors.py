@@ -84,3 +84,59 @@ def test_no_import_cycles_between_project_modules():
 
     for module in sorted(graph):
         visit(module, [module])
+
+
+def _start_failing_with(monkeypatch, exc: Exception) -> int:
+    """`gonka-node start`, in-process, whose start-up raises ``exc`` at its first step."""
+    import node.allocator
+    from node.cli import main
+
+    for var in [v for v in os.environ if v.startswith("GONKA_")]:
+        monkeypatch.delenv(var)
+
+    def tune_malloc() -> None:
+        raise exc
+
+    monkeypatch.setattr(node.allocator, "tune_malloc", tune_malloc)
+    return main(["start", "--control", "off", "--metrics-addr", "off", "--device", "cpu"])
+
+
+@pytest.mark.timeout(120)
+def test_an_internal_value_error_at_start_up_is_a_crash_not_bad_input(monkeypatch, capsys, caplog):
+    code = _start_failing_with(monkeypatch, ValueError("math domain error"))
+    assert code not in (0, EXIT_USAGE)
+    failed = [r for r in caplog.records if r.getMessage() == "node failed"]
+    assert failed and failed[0].exc_info is not None  # logged with its traceback
+    assert failed[0].exc_info[0] is ValueError
+    assert "gonka-node: error: math domain error" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("message", ["checkpoint: expected a dict", "nodes.seed: not a setting", "node.seeds: no"])
+def test_a_value_error_naming_no_real_setting_is_no_usage_error(monkeypatch, message):
+    assert _start_failing_with(monkeypatch, ValueError(message)) not in (0, EXIT_USAGE)
+
+
+@pytest.mark.timeout(120)
+def test_a_value_error_naming_a_setting_at_start_up_is_one_line_exit_2(monkeypatch, capsys, tmp_path):
+    message = f"data.paths: {tmp_path}/shard-0: truncated"
+    assert _start_failing_with(monkeypatch, ValueError(message)) == EXIT_USAGE
+    assert capsys.readouterr().err.splitlines() == [f"gonka-node: error: {message}"]
+
+
+def test_export_reports_only_its_input_errors_as_bad_input(monkeypatch, capsys, tmp_path):
+    import trainer.export
+    from node.cli import main
+
+    args = ["export", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "out")]
+
+    def export_checkpoint(*args, **kwargs):
+        raise ValueError(message)
+
+    monkeypatch.setattr(trainer.export, "export_checkpoint", export_checkpoint)
+    message = f"export: {tmp_path}/latest.pt: no such file"
+    assert main(args) == EXIT_USAGE
+    assert capsys.readouterr().err.splitlines() == [f"gonka-node: error: {message}"]
+    message = "could not convert string to float: 'x'"
+    with pytest.raises(ValueError, match="could not convert"):  # a traceback, exit code 1
+        main(args)
