@@ -150,6 +150,15 @@ SECTIONS: dict[str, type] = {
 }
 
 
+def default_of(key: str) -> object:
+    """The built-in default of a setting ("inner.steps" -> 50): what ``--help`` shows."""
+    section, name = key.split(".")
+    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     # The configs use `from __future__ import annotations`: field.type is a
     # string, get_type_hints resolves it to the real type.
