@@ -14,6 +14,8 @@ import sys
 import time
 from datetime import datetime, timezone
 
+from node.errors import EXIT_USAGE, report
+
 EPILOG = """\
 examples:
   gonka-node admit --new-authority ~/.gonka/authority.key
@@ -60,8 +62,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"gonka-node: error: {message}", file=sys.stderr)
-    return 2
+    report(message)
+    return EXIT_USAGE
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
 """The `gonka-node` command: start a node, ask a running one how it is doing.
 
-Exit codes: 0 success; 2 a bad flag or setting, reported as one line on
-stderr naming it; 1 a runtime failure (no node answering, the node failed).
-Heavy imports (torch, hivemind, the daemon) happen inside the subcommands,
-so `--help` and mistakes in flags answer at once.
+Exit codes (node/errors.py): 0 success; 2 a bad flag, setting or path, reported
+as one line on stderr naming it; 1 a runtime failure (no node answering, the
+node failed) or a bug, with a traceback. Heavy imports (torch, hivemind, the
+daemon) happen inside the subcommands, so `--help` and mistakes in flags answer
+at once.
 """
 
 from __future__ import annotations
@@ -12,21 +13,12 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from typing import Any, NoReturn
 
 from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd, top_cmd
-from node.config import ConfigError, load_config, to_toml
-
-PROG = "gonka-node"
-# A ValueError whose message starts with a dotted key is a bad setting found
-# late (e.g. a corrupt identity file): the user's mistake, so exit code 2.
-_SETTING_ERROR = re.compile(r"^[a-z]+\.[a-z_]+: ")
-
-
-class UsageError(Exception):
-    """Bad command-line usage; reported as one line with exit code 2."""
+from node.config import ConfigError, default_of, load_config, setting_errors, to_toml
+from node.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, PROG, UsageError, report, version
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -36,41 +28,55 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+def shown_default(key: str) -> str:
+    """A setting's built-in default as ``--help`` shows it: off/on, lists comma-separated."""
+    value = default_of(key)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def _help(key: str, text: str) -> str:
+    """``text`` with {default} replaced by the setting's default from its config class: the
+    defaults are written once, in the dataclasses, never again in a help string."""
+    return text.replace("{default}", shown_default(key).replace("%", "%%"))
 
 
 # (flag, config key, argparse options) of `gonka-node start`. Flags left out
-# keep the value from the lower layers (config file, environment).
+# keep the value from the lower layers (config file, environment). "{default}"
+# in a help text is the key's default (a setting whose default is empty says in
+# words what that means instead).
 START_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
-    ("--run-id", "node.run_id", dict(metavar="NAME", help="name of the training run; peers train together only within one run id (default: default)")),
-    ("--bootstrap", "swarm.bootstrap", dict(metavar="MULTIADDR", action="append", help="multiaddr of a running peer to join through, e.g. /ip4/10.0.0.5/tcp/31337/p2p/12D3...; repeat for several; none: start a new swarm")),
-    ("--listen", "swarm.listen", dict(metavar="MULTIADDR", action="append", help="multiaddr to listen on; repeat for several (default: /ip4/127.0.0.1/tcp/0, loopback only; use e.g. /ip4/0.0.0.0/tcp/31337 on a real host)")),
+    ("--run-id", "node.run_id", dict(metavar="NAME", help="name of the training run; peers train together only within one run id (default: {default})")),
+    ("--bootstrap", "swarm.bootstrap", dict(metavar="MULTIADDR", action="append", help="multiaddr of a running peer to join through, e.g. /ip4/10.0.0.5/tcp/31337/p2p/12D3...; repeat for several (default: none, start a new swarm)")),
+    ("--listen", "swarm.listen", dict(metavar="MULTIADDR", action="append", help="multiaddr to listen on; repeat for several (default: {default}, loopback only; use e.g. /ip4/0.0.0.0/tcp/31337 on a real host)")),
     ("--announce", "swarm.announce", dict(metavar="MULTIADDR", action="append", help="multiaddr other peers should dial, with an explicit port, e.g. your public address; repeat for several (default: the listen addresses as bound)")),
     ("--identity", "node.identity", dict(metavar="PATH", help="libp2p private key file, created on first start and never overwritten, so the peer id survives restarts (default: a new ephemeral identity each start)")),
     ("--data", "data.paths", dict(metavar="PATH", action="append", help="a directory written by `gonka-node prepare-data` (token shards), or text files and directories read as bytes for the byte-level presets; repeat for several text paths (default: the built-in byte corpus)")),
-    ("--model", "model.source", dict(metavar="PRESET|hf:PATH", help="a built-in preset (tiny, small, base), or hf:PATH, a local Hugging Face model directory (config.json, *.safetensors, tokenizer); see model.init (default: tiny)")),
-    ("--inner-steps", "inner.steps", dict(metavar="H", type=int, help="local optimizer steps between two outer synchronisations (default: 50)")),
-    ("--max-rounds", "node.max_rounds", dict(metavar="N", type=int, help="stop after N committed outer rounds; 0 = train until stopped (default: 0)")),
+    ("--model", "model.source", dict(metavar="PRESET|hf:PATH", help="a built-in preset (tiny, small, base), or hf:PATH, a local Hugging Face model directory (config.json, *.safetensors, tokenizer); see model.init (default: {default})")),
+    ("--inner-steps", "inner.steps", dict(metavar="H", type=int, help="local optimizer steps between two outer synchronisations (default: {default})")),
+    ("--max-rounds", "node.max_rounds", dict(metavar="N", type=int, help="stop after N committed outer rounds; 0 = train until stopped (default: {default})")),
     ("--checkpoint-dir", "node.checkpoint_dir", dict(metavar="DIR", help="directory for checkpoints; a restart resumes from the latest (default: no checkpoints)")),
-    ("--metrics-addr", "node.metrics_addr", dict(metavar="HOST:PORT|off", help="serve Prometheus metrics at http://HOST:PORT/metrics, or 'off' (default: 127.0.0.1:9400)")),
+    ("--metrics-addr", "node.metrics_addr", dict(metavar="HOST:PORT|off", help="serve Prometheus metrics at http://HOST:PORT/metrics, or 'off' (default: {default})")),
     ("--control", "node.control", dict(metavar="PATH|off", help="unix socket for `gonka-node status` and `peers`, or 'off' (default: $XDG_RUNTIME_DIR/gonka-node/RUN_ID.sock, else /tmp/gonka-node-UID/RUN_ID.sock)")),
     ("--status-file", "node.status_file", dict(metavar="PATH", help="file rewritten with the node's status as JSON (default: none)")),
-    ("--device", "node.device", dict(metavar="cpu|cuda|cuda:N|auto", help="where the model trains; auto = cuda when available (default: auto)")),
-    ("--seed", "node.seed", dict(metavar="N", type=int, help="seed of model initialisation and data order (default: 0)")),
-    ("--overlap", "outer.overlap", dict(metavar="MODE", help="off, delayed or eager: run a round's all-reduce during the next round's inner steps (default: off)")),
-    ("--min-peers", "swarm.min_peers", dict(metavar="N", type=int, help="a round commits only with at least N members, this peer included (default: 1)")),
+    ("--device", "node.device", dict(metavar="cpu|cuda|cuda:N|auto", help="where the model trains; auto = cuda when available (default: {default})")),
+    ("--seed", "node.seed", dict(metavar="N", type=int, help="seed of model initialisation and data order (default: {default})")),
+    ("--overlap", "outer.overlap", dict(metavar="MODE", help="off, delayed or eager: run a round's all-reduce during the next round's inner steps (default: {default})")),
+    ("--min-peers", "swarm.min_peers", dict(metavar="N", type=int, help="a round commits only with at least N members, this peer included (default: {default})")),
     ("--allow", "swarm.allow", dict(metavar="PEERID", action="append", help="closed swarm: admit this peer id; repeat for several (default: an open swarm)")),
     ("--allow-file", "swarm.allow_file", dict(metavar="FILE", help="closed swarm: admit the peer ids in FILE, one per line; re-read when it changes")),
     ("--swarm-authority", "swarm.authority", dict(metavar="PUBKEY", help="closed swarm: admit peers holding a membership certificate signed by this operator key (see `gonka-node admit`)")),
     ("--member-cert", "swarm.member_cert", dict(metavar="FILE", help="this node's membership certificate for a swarm with --swarm-authority")),
-    ("--aggregator", "swarm.aggregator", dict(metavar="NAME", help="how a part owner combines pseudo-gradients: mean, clip or centered_clip (default: clip)")),
-    ("--nat-traversal", "swarm.nat_traversal", dict(action="store_true", help="enable UPnP port mapping, AutoNAT and circuit relays in libp2p (default: off; the node talks only to the addresses it is given)")),
-    ("--log-level", "node.log_level", dict(metavar="LEVEL", help="debug, info, warning or error (default: info)")),
-    ("--log-format", "node.log_format", dict(metavar="FORMAT", help="text, or json: one JSON object per line (time, level, logger, message) for log shippers (default: text)")),
-    ("--nproc-per-node", "host.nproc_per_node", dict(metavar="N", type=int, help="train on N local ranks under torch.distributed.run: one per GPU (NCCL), or N CPU processes (gloo); one peer id for the host (default: 1, the node's own process)")),
-    ("--parallel", "host.parallel", dict(metavar="MODE", help="with --nproc-per-node > 1: fsdp (FSDP2, each rank holds 1/N of the model) or ddp (a replica per rank) (default: fsdp)")),
-    ("--threads", "node.threads", dict(metavar="N", type=int, help="torch intra-op threads; 0 = torch's default (default: 0)")),
+    ("--aggregator", "swarm.aggregator", dict(metavar="NAME", help="how a part owner combines pseudo-gradients: mean, clip or centered_clip (default: {default})")),
+    ("--nat-traversal", "swarm.nat_traversal", dict(action="store_true", help="enable UPnP port mapping, AutoNAT and circuit relays in libp2p (default: {default}; the node talks only to the addresses it is given)")),
+    ("--log-level", "node.log_level", dict(metavar="LEVEL", help="debug, info, warning or error (default: {default})")),
+    ("--log-format", "node.log_format", dict(metavar="FORMAT", help="text, or json: one JSON object per line (time, level, logger, message) for log shippers (default: {default})")),
+    ("--nproc-per-node", "host.nproc_per_node", dict(metavar="N", type=int, help="train on N local ranks under torch.distributed.run: one per GPU (NCCL), or N CPU processes (gloo); one peer id for the host (default: {default}, the node's own process)")),
+    ("--parallel", "host.parallel", dict(metavar="MODE", help="with --nproc-per-node > 1: fsdp (FSDP2, each rank holds 1/N of the model) or ddp (a replica per rank) (default: {default})")),
+    ("--threads", "node.threads", dict(metavar="N", type=int, help="torch intra-op threads; 0 = torch's default (default: {default})")),
 ]
 
 START_EPILOG = """\
@@ -84,7 +90,7 @@ Every setting and its value: gonka-node start --print-config.
 
 def _control_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control", metavar="PATH", help="control socket of the node (default: the default path for --run-id)")
-    parser.add_argument("--run-id", metavar="NAME", help="run id of the node, to find its default control socket (default: default)")
+    parser.add_argument("--run-id", metavar="NAME", help=_help("node.run_id", "run id of the node, to find its default control socket (default: {default})"))
     parser.add_argument("--json", action="store_true", help="print the node's answer as JSON")
 
 
@@ -104,8 +110,8 @@ def build_parser() -> ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     start.add_argument("--config", metavar="FILE.toml", help="TOML file with one table per section ([node], [swarm], [model], [data], [inner], [outer])")
-    for flag, _, options in START_FLAGS:
-        start.add_argument(flag, **options)
+    for flag, key, options in START_FLAGS:
+        start.add_argument(flag, **dict(options, help=_help(key, options["help"])))
     start.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", help="set any setting, e.g. --set inner.lr=3e-4 or --set swarm.listen=addr1,addr2 (lists comma-separated); repeatable")
     start.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
 
@@ -152,12 +158,11 @@ def _cmd_start(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         message = str(exc)
         if exc.key in flag_of and "(from " not in message:
-            message += f" (from {flag_of[exc.key]})"
-        _fail(message)
-        return 2
+            raise ConfigError(f"{message} (from {flag_of[exc.key]})", exc.key) from None
+        raise
     if getattr(args, "print_config", False):
         sys.stdout.write(to_toml(config))
-        return 0
+        return EXIT_OK
     logformat.configure(config.node.log_level, config.node.log_format)
     if config.host.nproc_per_node > 1:
         from trainer.parallel import launched
@@ -165,11 +170,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         if not launched():  # this process becomes the host's launcher; the ranks run start again
             from node.launch import check_host, launch_host
 
-            try:
-                check_host(config)
-            except ValueError as exc:
-                _fail(str(exc))
-                return 2
+            check_host(config)  # a bad host setting: ConfigError, exit code 2
             return launch_host(config, args.argv)
         if int(os.environ["RANK"]) > 0:
             from node.follower import run_follower
@@ -178,20 +179,13 @@ def _cmd_start(args: argparse.Namespace) -> int:
     from node.daemon import run_node
 
     try:
-        return run_node(config)
+        return run_node(config)  # reports the user's bad input itself (exit code 2)
     except KeyboardInterrupt:
-        return 130
-    except ValueError as exc:
-        if _SETTING_ERROR.match(str(exc)):
-            _fail(str(exc))
-            return 2
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a fault, not bad input: with its traceback
         logging.getLogger(PROG).exception("node failed")
-        _fail(str(exc))
-        return 1
-    except Exception as exc:
-        logging.getLogger(PROG).exception("node failed")
-        _fail(str(exc) or type(exc).__name__)
-        return 1
+        report(str(exc) or type(exc).__name__)
+        return EXIT_RUNTIME
 
 
 def _control_path(args: argparse.Namespace) -> str:
@@ -231,7 +225,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     status = _ask(args, "status")
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
-        return 0
+        return EXIT_OK
     if not isinstance(status, dict):
         raise RuntimeError(f"unexpected status reply: {status!r}")
     # The listed fields first, in a fixed order; whatever else the node
@@ -240,7 +234,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     width = max(len(k) for k in keys)
     for key in keys:
         print(f"{key.replace('_', ' '):<{width}}  {_fmt(status.get(key))}")
-    return 0
+    return EXIT_OK
 
 
 PEER_COLUMNS = ("peer_id", "state", "round", "params_hash")
@@ -250,7 +244,7 @@ def _cmd_peers(args: argparse.Namespace) -> int:
     peers = _ask(args, "peers")
     if args.json:
         print(json.dumps(peers, indent=2, sort_keys=True))
-        return 0
+        return EXIT_OK
     if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
         raise RuntimeError(f"unexpected peers reply: {peers!r}")
     columns = list(PEER_COLUMNS)
@@ -260,33 +254,25 @@ def _cmd_peers(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    return 0
+    return EXIT_OK
 
 
 def _cmd_identity(args: argparse.Namespace) -> int:
     from p2p.identity import generate_identity, load_or_create_identity, peer_id_from_key
 
     if args.identity:
-        print(load_or_create_identity(args.identity))
+        with setting_errors():  # a corrupt or unreadable key file: node.identity, exit code 2
+            peer_id = load_or_create_identity(args.identity)
+        print(peer_id)
     else:
         print(peer_id_from_key(generate_identity()))
         print(f"{PROG}: this identity is ephemeral (not saved); pass --identity PATH to keep one", file=sys.stderr)
-    return 0
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
-    try:
-        return package_version("gonka-node")
-    except PackageNotFoundError:
-        return "0.1.0+unknown"
+    return EXIT_OK
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
     print(f"{PROG} {version()}")
-    return 0
+    return EXIT_OK
 
 
 COMMANDS = {
@@ -309,22 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what a host's ranks run again
         return COMMANDS[args.command](args)
-    except (UsageError, ConfigError) as exc:
-        _fail(str(exc))
-        return 2
-    except ValueError as exc:
-        # Bad settings found outside load_config (identity file) name their key.
-        if _SETTING_ERROR.match(str(exc)):
-            _fail(str(exc))
-            return 2
-        raise
+    except UsageError as exc:  # ConfigError too; nothing else is the user's input
+        report(str(exc))
+        return EXIT_USAGE
     except BrokenPipeError:
         # Output piped into something that stopped reading (`| head`): not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return EXIT_OK
     except (ConnectionError, RuntimeError) as exc:
-        _fail(str(exc))
-        return 1
+        report(str(exc))
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

@@ -4,22 +4,24 @@ Every setting lives in exactly one section dataclass (``node`` here, the others
 next to the code they configure) and is addressed as ``section.field``. The
 effective value comes from, lowest to highest precedence: the dataclass
 default, the TOML file, a ``GONKA_<SECTION>_<FIELD>`` environment variable,
-and the command line. Any bad value becomes a ``ConfigError`` whose message is
-one line naming the key (and where the value came from), which the CLI prints
-as is with exit code 2.
+and the command line. Any bad value becomes a ``ConfigError`` (node/errors.py)
+whose message is one line naming the key (and where the value came from),
+which the CLI prints as is with exit code 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from node.errors import ConfigError
 from p2p.config import SwarmConfig
 from trainer.config import DataConfig, HostConfig, InnerConfig, ModelConfig, OuterConfig, require
 
@@ -32,16 +34,6 @@ ENV_PREFIX = "GONKA_"
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 _MAX_SOCKET_PATH = 107
-
-
-class ConfigError(ValueError):
-    """A bad setting; ``str(error)`` is one line that names the key or source."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        # The dotted key at fault, when there is one: lets the CLI say which
-        # flag set it.
-        self.key = key
 
 
 def default_control_path(run_id: str, environ: Mapping[str, str] | None = None) -> str:
@@ -156,6 +148,15 @@ SECTIONS: dict[str, type] = {
     "outer": OuterConfig,
     "host": HostConfig,
 }
+
+
+def default_of(key: str) -> object:
+    """The built-in default of a setting ("inner.steps" -> 50): what ``--help`` shows."""
+    section, name = key.split(".")
+    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -307,11 +308,42 @@ def load_config(*, toml_path: str | None, environ: Mapping[str, str], overrides:
         try:
             sections[section] = cls(**values[section])
         except ValueError as exc:
-            message = str(exc)
-            key = message.partition(":")[0]
-            source = sources.get(key)
-            raise ConfigError(message + (f" (from {source})" if source else ""), key) from None
+            error = setting_error(exc)
+            if error is None:  # no setting named: a fault in the validation itself
+                raise
+            source = sources.get(error.key)
+            raise ConfigError(str(error) + (f" (from {source})" if source else ""), error.key) from None
     return Config(**sections)
+
+
+def setting_error(exc: ValueError) -> ConfigError | None:
+    """``exc`` as the bad setting it reports, or None when it reports none.
+
+    The components validate what they are given and say which setting is wrong with
+    ``ValueError("section.key: ...")`` (trainer/config.py ``require``, and e.g. data.paths,
+    node.checkpoint_dir, node.identity found at start-up). Only a message that begins with a
+    real key is about the user's input (exit code 2); any other ValueError is a fault of the
+    program and must surface as one."""
+    if isinstance(exc, ConfigError):
+        return exc
+    message = str(exc)
+    key, colon, _ = message.partition(": ")
+    if not colon or _split_key(key) is None:
+        return None
+    return ConfigError(message, key)
+
+
+@contextlib.contextmanager
+def setting_errors() -> Iterator[None]:
+    """Around code handed the user's settings: a ValueError naming one becomes its ConfigError
+    (exit code 2); any other ValueError propagates as the fault it is."""
+    try:
+        yield
+    except ValueError as exc:
+        error = setting_error(exc)
+        if error is None or error is exc:
+            raise
+        raise error from None
 
 
 def _toml_string(text: str) -> str:

@@ -15,14 +15,14 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 
 import torch
 
 from node import history
-from node.config import Config
+from node.config import Config, setting_errors
+from node.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError, report, version
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
 from p2p.swarm import parse_observed
@@ -30,31 +30,20 @@ from p2p.tcpsettings import TcpSettings
 
 log = logging.getLogger("gonka.node")
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 RANKS_CONNECT_SECONDS = 120.0  # the other ranks of a multi-rank host import torch and connect
 
 
-class UsageError(Exception):
-    """A user-supplied value turned out unusable at start-up (exit 2)."""
-
-
-def version() -> str:
-    try:
-        from importlib.metadata import version as dist_version
-
-        return dist_version("gonka-node")
-    except Exception:
-        return "0.1.0+unknown"
-
-
 def run_node(config: Config) -> int:
-    """Run a node until it stops; returns the process exit code."""
+    """Run a node until it stops; returns the process exit code.
+
+    Bad input found at start-up is reported here as one line (exit code 2); any other
+    exception (a ValueError too) propagates: a fault of the program, not the user's."""
     import uvloop
 
     try:
         return uvloop.run(Node(config).run())
     except UsageError as e:
-        print(f"gonka-node: error: {e}", file=sys.stderr)
+        report(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK
@@ -96,15 +85,14 @@ class Node:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            await self.start()
-        except UsageError:
+            # The components say which setting is wrong with ValueError("section.key: ..."):
+            # the user's input, exit code 2. Any other ValueError is a fault and propagates.
+            with setting_errors():
+                await self.start()
+        except (UsageError, ValueError):
             await self.close()
             self._remove_signal_handlers()
             raise
-        except ValueError as e:  # config-shaped errors from components: "section.key: ..."
-            await self.close()
-            self._remove_signal_handlers()
-            raise UsageError(str(e)) from None
         except Exception as e:
             log.error("start-up failed: %s", e)
             await self.close()
@@ -131,10 +119,10 @@ class Node:
                     task.cancel()
                 await asyncio.gather(*checks, return_exceptions=True)
             if self._failure is not None:
-                print(f"gonka-node: error: {self._failure}", file=sys.stderr, flush=True)
+                report(self._failure)
                 code = EXIT_RUNTIME
         except RunMismatch as e:
-            print(f"gonka-node: error: {e}", file=sys.stderr, flush=True)
+            report(str(e))
             code = EXIT_USAGE
         except Exception:
             log.exception("training loop failed")
@@ -283,15 +271,18 @@ class Node:
                                   metrics=self.metrics, status=self.status, inner_steps=cfg.inner.steps,
                                   max_rounds=cfg.node.max_rounds, on_commit=self.after_commit)
         if checkpoint is not None:
-            if self.ranks is None:  # a multi-rank host's ranks loaded theirs together (_start_worker)
-                self.worker.load_state_dict(checkpoint["worker"])
-            self.loop_.round_step = int(checkpoint.get("round_step", 0))
-            numel = sum(p.numel() for p in self.worker.global_params)
-            feedback = rounds.ensure_feedback(numel)
-            if feedback is not None and checkpoint.get("feedback") is not None:
-                feedback.load_state_dict(checkpoint["feedback"])
-            if checkpoint.get("commits") is not None:
-                commits.load_state_dict(checkpoint["commits"])
+            try:  # what the checkpoint holds does not fit this node: the user's node.checkpoint_dir
+                if self.ranks is None:  # a multi-rank host's ranks loaded theirs together (_start_worker)
+                    self.worker.load_state_dict(checkpoint["worker"])
+                self.loop_.round_step = int(checkpoint.get("round_step", 0))
+                numel = sum(p.numel() for p in self.worker.global_params)
+                feedback = rounds.ensure_feedback(numel)
+                if feedback is not None and checkpoint.get("feedback") is not None:
+                    feedback.load_state_dict(checkpoint["feedback"])
+                if checkpoint.get("commits") is not None:
+                    commits.load_state_dict(checkpoint["commits"])
+            except ValueError as e:
+                raise ValueError(f"node.checkpoint_dir: {e}") from None
             commits.hold(self.worker.round, self.worker.params_hash())
             log.info("resumed from %s at round %d (inner step %d)", cfg.node.checkpoint_dir,
                      self.worker.round, self.worker.inner_step)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 # Units of --max-shard-size, as transformers spells them (KB = 1000, KiB = 1024).
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -57,14 +56,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from node.errors import UsageError
     from trainer.export import export_checkpoint
 
     try:
         result = export_checkpoint(args.checkpoint_dir, args.out, dtype=args.dtype,
                                    max_shard_bytes=args.max_shard_size)
     except ValueError as exc:
-        print(f"gonka-node: error: {exc}", file=sys.stderr)
-        return 2
+        # trainer/export.py says what of the user's input is wrong as "export: PATH: ...";
+        # any other ValueError is a fault of the program and propagates.
+        if not str(exc).startswith("export: "):
+            raise
+        raise UsageError(str(exc)) from None
     print(f"exported run {result.run_id!r} round {result.round}: {result.parameters:,} parameters, "
           f"{result.dtype}, {result.bytes / 1e6:,.1f} MB of weights, to {result.out}")
     for name in result.files:

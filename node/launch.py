@@ -18,16 +18,15 @@ import sys
 import tempfile
 import uuid
 
-from node.config import Config
+from node.config import Config, setting_errors
+from node.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, ConfigError
 from node.ranks import SOCKET_ENV
 
 log = logging.getLogger("gonka.node")
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
-
 
 def check_host(config: Config) -> None:
-    """Bad host settings, found before any rank starts (ValueError naming the key: exit 2)."""
+    """Bad host settings, found before any rank starts: ConfigError naming the key (exit code 2)."""
     import torch
 
     n = config.host.nproc_per_node
@@ -36,18 +35,20 @@ def check_host(config: Config) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if ":" in device:
-            raise ValueError(f"node.device: {device} names one GPU; with host.nproc_per_node = {n} every rank "
-                             f"takes its own (use cuda or auto)")
+            raise ConfigError(f"node.device: {device} names one GPU; with host.nproc_per_node = {n} every rank "
+                              f"takes its own (use cuda or auto)", "node.device")
         gpus = torch.cuda.device_count()
         if n > gpus:
-            raise ValueError(f"host.nproc_per_node: {n} ranks, but this host has {gpus} CUDA device"
-                             f"{'' if gpus == 1 else 's'} (one rank per GPU)")
+            raise ConfigError(f"host.nproc_per_node: {n} ranks, but this host has {gpus} CUDA device"
+                              f"{'' if gpus == 1 else 's'} (one rank per GPU)", "host.nproc_per_node")
     elif n > (os.cpu_count() or 1):
-        raise ValueError(f"host.nproc_per_node: {n} CPU ranks, but this host has {os.cpu_count()} cores")
+        raise ConfigError(f"host.nproc_per_node: {n} CPU ranks, but this host has {os.cpu_count()} cores",
+                          "host.nproc_per_node")
     if config.node.checkpoint_dir:  # a part missing, or another layout's checkpoint: before any rank loads one
         from trainer.checkpoint import host_checkpoint
 
-        host_checkpoint(config.node.checkpoint_dir, n)
+        with setting_errors():  # "node.checkpoint_dir: ..."
+            host_checkpoint(config.node.checkpoint_dir, n)
 
 
 def launch_host(config: Config, argv: list[str]) -> int:

@@ -6,10 +6,7 @@ import argparse
 import os
 
 from node import history
-
-
-class PlotError(ValueError):
-    """Bad input for the plot: one line naming the path."""
+from node.errors import EXIT_OK, UsageError  # UsageError: the CLI's one-line, exit-2 error
 
 
 def add_parser(commands) -> None:
@@ -22,8 +19,6 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from node.cli import UsageError  # the CLI's one-line, exit-2 error
-
     source = history.path_in(args.checkpoint_dir)
     out = args.out or os.path.join(args.checkpoint_dir, "history.png")
     if not os.path.isfile(source):
@@ -40,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     draw(records, out)
     print(out)
-    return 0
+    return EXIT_OK
 
 
 def throughput(records: list[dict]) -> list[tuple[int, float]]:

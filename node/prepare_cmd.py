@@ -50,10 +50,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `prepare-data`; bad input raises ConfigError (one line, exit code 2)."""
-    # ConfigError, not cli.UsageError: under `python -m node.cli` the cli module
-    # runs as __main__, and an imported node.cli would hold another UsageError class.
-    from node.config import ConfigError
+    """Run `prepare-data`; bad input raises UsageError (one line, exit code 2)."""
+    from node.errors import UsageError
     from trainer.prepare import InputError, PrepareConfig, prepare_dataset
 
     given = {
@@ -71,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         )
         summary = prepare_dataset(config)
     except InputError as exc:
-        raise ConfigError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     print(
         f"{summary.path}: {summary.documents} documents, {summary.total_tokens} tokens "
         f"in {len(summary.shards)} shards ({summary.dtype})"

@@ -114,6 +114,66 @@ def test_help_documents_every_flag():
         assert flag in result.stdout, flag
 
 
+def _subparser(parser, name):
+    import argparse
+
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def _shown_default(help_text: str) -> str | None:
+    """What a help text gives as the default: "(default: 50)" -> "50"; None if it names none."""
+    import re
+
+    found = re.findall(r"\(default: (.*?)(?:\)$|\)|, |; )", help_text)
+    assert len(found) <= 1, help_text
+    return found[0] if found else None
+
+
+def test_every_shown_default_is_its_config_fields_default():
+    """The defaults --help shows are the config classes' (node/config.py, p2p/config.py,
+    trainer/config.py): read back as that flag's value, each gives the built-in default."""
+    from node.cli import START_FLAGS, build_parser
+    from node.config import load_config
+
+    defaults = load_config(toml_path=None, environ={}, overrides={})
+    parser = build_parser()
+    flags = [(_subparser(parser, "start"), flag, key) for flag, key, _ in START_FLAGS]
+    flags += [(_subparser(parser, command), "--run-id", "node.run_id") for command in ("status", "peers", "top")]
+    checked = 0
+    for subparser, flag, key in flags:
+        action = next(a for a in subparser._actions if flag in a.option_strings)
+        text = action.help.replace("%%", "%")
+        assert "{default}" not in text, (flag, text)
+        section, name = key.split(".")
+        default = getattr(getattr(defaults, section), name)
+        shown = _shown_default(text)
+        if default in ("", []):  # nothing to show: the help says in words what no value means
+            continue
+        assert shown is not None, (flag, text)
+        if isinstance(default, bool):  # a store_true flag: the default is off
+            assert shown == ("on" if default else "off"), (flag, text)
+        else:
+            value = getattr(getattr(load_config(toml_path=None, environ={}, overrides={key: shown}), section), name)
+            assert value == default, (flag, shown, default)
+        checked += 1
+    assert checked >= 20
+
+
+def test_help_defaults_follow_the_config_classes(monkeypatch):
+    """A default changed in its dataclass is what --help shows: it is written nowhere else."""
+    import dataclasses
+
+    from node.cli import build_parser
+    from trainer.config import InnerConfig
+
+    field = next(f for f in dataclasses.fields(InnerConfig) if f.name == "steps")
+    monkeypatch.setattr(field, "default", 77)
+    start = _subparser(build_parser(), "start")
+    action = next(a for a in start._actions if "--inner-steps" in a.option_strings)
+    assert _shown_default(action.help) == "77"
+
+
 def test_status_without_node_is_exit_1():
     result = run("status", "--control", "/nonexistent.sock")
     assert result.returncode == 1

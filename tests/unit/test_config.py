@@ -130,6 +130,43 @@ def test_validation_error_carries_key():
     assert info.value.key == "inner.steps"
 
 
+@pytest.mark.parametrize("message, key", [
+    ("data.paths: /d/shard-0: truncated", "data.paths"),
+    ("node.metrics_addr: expected HOST:PORT with a port in 0-65535, got 'x'", "node.metrics_addr"),
+    ("swarm.member_cert: peer.cert: issued to another peer", "swarm.member_cert"),
+    ("checkpoint: expected a dict", None),  # no setting: a fault of the program
+    ("nodes.seed: x", None),
+    ("node.seeds: x", None),
+    ("math domain error", None),
+])
+def test_setting_error_only_for_a_message_naming_a_real_setting(message, key):
+    from node.config import setting_error, setting_errors
+
+    error = setting_error(ValueError(message))
+    assert (error and error.key) == key
+    if key is None:
+        with pytest.raises(ValueError, match=message) as info, setting_errors():
+            raise ValueError(message)
+        assert not isinstance(info.value, ConfigError)
+    else:
+        assert str(error) == message
+        with pytest.raises(ConfigError, match=message) as info, setting_errors():
+            raise ValueError(message)
+        assert info.value.key == key
+
+
+def test_a_validation_fault_naming_no_setting_is_no_config_error(monkeypatch):
+    from node.config import NodeConfig
+
+    def broken(self):
+        raise ValueError("invalid literal for int() with base 10: 'x'")
+
+    monkeypatch.setattr(NodeConfig, "__post_init__", broken)
+    with pytest.raises(ValueError, match="invalid literal") as info:
+        load_config(toml_path=None, environ={}, overrides={})
+    assert not isinstance(info.value, ConfigError)
+
+
 def test_to_toml_round_trip(tmp_path):
     config = load_config(
         toml_path=None,
