@@ -51,9 +51,9 @@ from p2p import hostile  # noqa: E402
 from p2p.identity import generate_identity, load_or_create_identity, peer_id_from_key  # noqa: E402
 from trainer.files import atomic_write  # noqa: E402
 
-# The chaos run's timings (README, "Fault tolerance"): a stalled or lying peer costs seconds, not minutes.
+# The chaos run's timings (docs/faults.md): a stalled or lying peer costs seconds, not minutes.
 HEARTBEAT, REQUEST, ROUND, GATHER = 1.0, 5.0, 20.0, 20.0
-# A survivor's bound on a wait without a commit after a fault (README, "Fault tolerance"), plus
+# A survivor's bound on a wait without a commit after a fault (docs/faults.md), plus
 # start-up: a longer wait is reported as a stall.
 BOUND = ROUND + max(3 * HEARTBEAT, REQUEST) + ROUND + 30
 # One hostile member of each kind p2p/hostile.py knows, with the values of the first trial.
@@ -319,7 +319,7 @@ class Scenario:
             "refused_to_follow": sum(len(REFUSED.findall(logs[n])) for n in honest),
             "hostile_announced": sorted(self.announced)[-5:],
             "hostile_states_adopted": adopted,
-            # Rounds honest peers committed with different hashes. README ("Fault tolerance") allows
+            # Rounds honest peers committed with different hashes. docs/faults.md allows
             # one kind: a member that heard every vote commits an attempt the others then abort; it is
             # a minority at that round and re-syncs. Two groups of a majority each never may.
             "forks": {r: hs for r, hs in sorted(by_round.items()) if len(hs) > 1},

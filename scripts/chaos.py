@@ -29,7 +29,7 @@ from localswarm import LocalNode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # Timings of the chaos swarm, and the bound on a survivor's wait they imply
-# (README, "Fault tolerance"): round_timeout + max(3 heartbeats, request_timeout)
+# (docs/faults.md): round_timeout + max(3 heartbeats, request_timeout)
 # + round_timeout, plus one round of inner steps.
 HEARTBEAT, REQUEST, ROUND, GATHER = 1.0, 5.0, 20.0, 20.0
 BOUND = ROUND + max(3 * HEARTBEAT, REQUEST) + ROUND

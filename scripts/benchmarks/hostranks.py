@@ -33,7 +33,7 @@ from benchmarks.swarmbench_common import (SCRIPTS, cpu_seconds, log_tail, median
 COLUMNS = ["ranks", "model", "rate", "rounds", "allreduce_s", "bound_s", "ratio", "cpu_s_per_rank_round",
            "p2pd_cpu_s_round"]
 PORT = 31400
-TCP_EFFICIENCY = 0.956  # measured on the testbed (README, all-reduce)
+TCP_EFFICIENCY = 0.956  # measured on the testbed (docs/benchmarks.md, allreduce)
 ALLREDUCE = re.compile(r"committed round=(\d+) .* allreduce=([0-9.]+)s")
 LISTENING = re.compile(r"^listening on (\S+)", re.M)
 

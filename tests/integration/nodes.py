@@ -26,7 +26,7 @@ FAST = [
     "--set", "data.batch_size=4", "--set", "data.seq_len=32", "--set", "data.eval_batches=2",
 ]
 
-# The bound README.md documents for the FAST settings of nodes.py: a survivor commits
+# The bound docs/faults.md documents for the FAST settings of nodes.py: a survivor commits
 # within round_timeout (detect) + max(3 heartbeats, request_timeout) (regroup)
 # + round_timeout (the retried all-reduce) of a fault.
 HEARTBEAT, REQUEST, ROUND = 0.5, 5.0, 20.0

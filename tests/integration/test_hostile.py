@@ -67,7 +67,7 @@ def test_a_killed_member_never_splits_the_survivors_under_cpu_load(nodes, cpu_lo
         for rnd, params_hash, members in commits(n):
             # Before the others started, the first node trained alone; a round it committed alone
             # while they were still joining from its older state is thrown away when it follows
-            # their majority (README, "Fault tolerance": a lone node and its joiners). From the
+            # their majority (docs/faults.md, "Known limit: a lone node and its joiners"). From the
             # kill on: no minority, no split.
             if rnd < fault_round:
                 continue
