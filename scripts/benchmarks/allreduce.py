@@ -24,7 +24,9 @@ the timed syncs are reported:
 function to the moment the last peer has the result, so it includes gonka's
 group formation and vote and hivemind's matchmaking (``min_matchmaking_time``
 2 s), and gonka's decode of the committed average, which a node's outer step
-does as it reads it; ``commit_s`` is gonka's time to the commit, without it. ``allreduce_s`` is the exchange alone: gonka's
+does as it reads it; ``commit_s`` is the time to the commit, without that decode
+(hivemind: its step's return, as its average needs no decode, so it equals ``seconds``;
+gloo: all_reduce's return, before the sum is divided by N). ``allreduce_s`` is the exchange alone: gonka's
 ``RoundOutcome.allreduce_seconds``, hivemind's time from its group being
 found to the result, gloo's all_reduce (slowest peer in each case).
 ``bound_seconds`` is the bandwidth floor of any all-reduce,
