@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 from tests.hf_fixtures import build_tokenizer
-from trainer.data import default_corpus_paths
 from trainer.tokens import open_token_dataset
 
 from .options import positive_int
@@ -96,6 +95,9 @@ def bare(tokenizer_file: str, files: list[str], processes: int, repeats: int) ->
 
 
 def run(args: argparse.Namespace) -> dict:
+    # Here, not at the top: the bare processes import this module, and trainer.data imports torch.
+    from trainer.data import default_corpus_paths
+
     smoke = getattr(args, "smoke", False)
     copies = args.copies or (1 if args.quick else 3)
     repeats = args.repeats or (1 if smoke else 2 if args.quick else 5)

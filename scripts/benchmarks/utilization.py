@@ -92,8 +92,8 @@ def add_arguments(group) -> None:
                        help="overlap modes to compare, one swarm run each, in this order (default off,eager)")
     group.add_argument("--nodes", type=int,
                        help="testbed hosts, one node each (default 4; 2 with --smoke; min_peers = nodes)")
-    group.add_argument("--rate", default="20mbit",
-                       help="every host's link, both ways (default 20mbit: the tiny model's all-reduce takes ~2.6 s)")
+    group.add_argument("--rate", help="every host's link, both ways (default 20mbit: the tiny model's all-reduce "
+                                      "takes ~2.6 s; 100mbit with --smoke)")
     group.add_argument("--rounds", type=int, help="outer rounds R (default 8; 4 with --quick)")
     group.add_argument("--inner-steps", type=int, help="inner steps per round (default 60; 30 with --quick, 3 with --smoke)")
     group.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="model preset (default tiny)")
@@ -248,6 +248,7 @@ def run(args: argparse.Namespace) -> dict:
 
     smoke = getattr(args, "smoke", False)
     args.nodes = args.nodes or (2 if smoke else 4)
+    args.rate = args.rate or ("100mbit" if smoke else "20mbit")
     args.rounds = args.rounds or (4 if args.quick else 8)
     args.inner_steps = args.inner_steps or (3 if smoke else 30 if args.quick else 60)
     if args.nodes < 2 or args.rounds < 4 or args.inner_steps < 1:
