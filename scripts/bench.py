@@ -5,7 +5,9 @@ writes its result to DIR/NAME.json (default runs/bench) and prints its rows as
 a table. A benchmark is a callable ``run(args) -> dict``; the dict's ``rows``
 (a list of flat dicts) are the table, ``columns`` optionally orders them, and
 every other key is kept in the JSON as is. ``--quick`` asks for a smaller,
-faster run meant as a smoke test, not for numbers to quote.
+faster run meant as a smoke test, not for numbers to quote; ``--smoke`` (which
+implies ``--quick``) the smallest run that still fills every row of the table,
+toy sizes and seconds each, which the tests run (tests/unit/test_bench_smoke.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def build_parser(name: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", metavar="NAME", help=f"benchmark to run: {', '.join(BENCHMARKS)}")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (a smoke run)")
+    p.add_argument("--smoke", action="store_true",
+                   help="toy sizes, every row of the table, seconds each: what the tests run (implies --quick; "
+                        "the figures mean nothing)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench", help="directory for NAME.json (default: runs/bench)")
     if name in ARGUMENTS:
         ARGUMENTS[name](p.add_argument_group(f"{name} options"))
@@ -74,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.py: unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS)})", file=sys.stderr)
         return 2
     args = build_parser(name).parse_args(argv)
+    args.quick = args.quick or args.smoke
 
     started = time.time()
     result = BENCHMARKS[args.name](args)
     record = {
         "benchmark": args.name,
         "quick": args.quick,
+        "smoke": args.smoke,
         "command": " ".join([Path(sys.argv[0]).name, *argv]),
         "started_unix": round(started, 3),
         "seconds": round(time.time() - started, 3),

@@ -37,6 +37,7 @@ from .convergence import INNER_LR, OUTER_LR, OUTER_MOMENTUM
 from .options import positive_int
 
 ATTACKS = ("fill:1e30", "fill:3.4e38", "scale:1e4", "scale:-10")
+SMOKE_ATTACKS = ("fill:3.4e38", "scale:-10")  # one of each kind
 # An untrained tiny model scores about 5.5: far above it the model is wrecked.
 DIVERGED_LOSS = 20.0
 GOAL_CLEAN_RATIO = 1.005
@@ -44,23 +45,29 @@ COLUMNS = ["attack", "aggregator", "eval_loss", "vs_mean_clean", "rounds_run", "
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--workers", type=positive_int, default=5, help="k workers, one of them hostile in (b) (default 5)")
-    group.add_argument("--inner-steps", type=positive_int, help="H (default 20; 5 with --quick)")
-    group.add_argument("--rounds", type=positive_int, help="outer rounds (default 8; 3 with --quick)")
+    group.add_argument("--workers", type=positive_int,
+                       help="k workers, one of them hostile in (b) (default 5; 3 with --smoke)")
+    group.add_argument("--inner-steps", type=positive_int, help="H (default 20; 5 with --quick, 1 with --smoke)")
+    group.add_argument("--rounds", type=positive_int, help="outer rounds (default 8; 3 with --quick, 1 with --smoke)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--aggregators", default=",".join(AGGREGATE),
                        help=f"comma-separated aggregators (default {','.join(AGGREGATE)})")
-    group.add_argument("--attacks", default=",".join(ATTACKS),
-                       help=f"comma-separated attacks for (b), 'none' for none (default {','.join(ATTACKS)})")
-    group.add_argument("--repeats", type=positive_int, help="timed repeats per aggregator in (c) (default 21; 5 with --quick)")
+    group.add_argument("--attacks",
+                       help=f"comma-separated attacks for (b), 'none' for none (default {','.join(ATTACKS)}; "
+                            f"{','.join(SMOKE_ATTACKS)} with --smoke)")
+    group.add_argument("--repeats", type=positive_int,
+                       help="timed repeats per aggregator in (c) (default 21; 5 with --quick, 2 with --smoke)")
     group.add_argument("--threads", type=positive_int, default=1,
                        help="torch CPU threads (default 1: on shared cores extra threads wait for each other)")
 
 
 def _defaults(args) -> None:
-    args.inner_steps = args.inner_steps or (5 if args.quick else 20)
-    args.rounds = args.rounds or (3 if args.quick else 8)
-    args.repeats = args.repeats or (5 if args.quick else 21)
+    smoke = getattr(args, "smoke", False)
+    args.workers = args.workers or (3 if smoke else 5)
+    args.inner_steps = args.inner_steps or (1 if smoke else 5 if args.quick else 20)
+    args.rounds = args.rounds or (1 if smoke else 3 if args.quick else 8)
+    args.repeats = args.repeats or (2 if smoke else 5 if args.quick else 21)
+    args.attacks = args.attacks or ",".join(SMOKE_ATTACKS if smoke else ATTACKS)
     args.aggregator_names = [a for a in args.aggregators.split(",") if a]
     bad = [a for a in args.aggregator_names if a not in AGGREGATE]
     if bad or "mean" not in args.aggregator_names:

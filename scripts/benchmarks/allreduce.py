@@ -24,7 +24,9 @@ the timed syncs are reported:
 function to the moment the last peer has the result, so it includes gonka's
 group formation and vote and hivemind's matchmaking (``min_matchmaking_time``
 2 s), and gonka's decode of the committed average, which a node's outer step
-does as it reads it; ``commit_s`` is gonka's time to the commit, without it. ``allreduce_s`` is the exchange alone: gonka's
+does as it reads it; ``commit_s`` is the time to the commit, without that decode
+(hivemind: its step's return, as its average needs no decode, so it equals ``seconds``;
+gloo: all_reduce's return, before the sum is divided by N). ``allreduce_s`` is the exchange alone: gonka's
 ``RoundOutcome.allreduce_seconds``, hivemind's time from its group being
 found to the result, gloo's all_reduce (slowest peer in each case).
 ``bound_seconds`` is the bandwidth floor of any all-reduce,
@@ -75,6 +77,9 @@ HIVEMIND_CODECS = ["none", "float16"]
 # --quick: one lossless, one 8-bit and one 4-bit codec of each system, to stay a ~2 minute smoke run.
 QUICK_GONKA_CODECS = ["fp32", "int8", "fp4"]
 QUICK_HIVEMIND_CODECS = ["none"]
+# --smoke: each system once, lossless, 2 peers, a 256 KB vector (a run of seconds per system).
+SMOKE_GONKA_CODECS = ["fp32"]
+SMOKE_PEERS, SMOKE_PARAMS = 2, 1 << 16
 STARTUP_SLACK = 90.0  # seconds for processes, p2pd and DHT to start and meet, per run
 EXIT_SLACK = 20.0  # the coordinator waits this long past a peer's own timeout
 
@@ -105,18 +110,19 @@ def congestion_arg(text: str) -> str:
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--peers", type=positive_int, default=4, help="testbed hosts, one peer each (default 4)")
+    group.add_argument("--peers", type=positive_int, help="testbed hosts, one peer each (default 4; 2 with --smoke)")
     group.add_argument("--rate", type=rate_arg, default="100mbit", help="every host's link, both ways (default 100mbit)")
     group.add_argument("--congestion", type=congestion_arg, default="cubic",
                        help="TCP congestion control of every testbed host (default cubic; see scripts/netbed.py)")
-    group.add_argument("--params", type=positive_int, help="fp32 elements averaged (default 25,000,000; 5,000,000 with --quick)")
+    group.add_argument("--params", type=positive_int, help="fp32 elements averaged (default 25,000,000; 5,000,000 with "
+                                                           "--quick, 65,536 with --smoke)")
     group.add_argument("--repeats", type=positive_int, help="syncs per configuration, median reported (default 3; 1 with --quick)")
     group.add_argument("--warmup", type=non_negative_int,
                        help="untimed syncs before the timed ones, every system alike (default 1; 0 with --quick)")
     group.add_argument("--systems", default="gonka-node,hivemind,gloo",
                        help="comma-separated subset of gonka-node, hivemind, gloo (default: all)")
     group.add_argument("--codecs", help="comma-separated gonka-node codecs (default: every codec of p2p.codecs; "
-                       "fp32,int8,fp4 with --quick)")
+                       "fp32,int8,fp4 with --quick, fp32 with --smoke)")
     group.add_argument("--error-feedback", action="store_true",
                        help="gonka-node: keep error feedback on for lossy codecs, as a node does by default "
                             "(default off: every repeat syncs the same vector)")
@@ -142,13 +148,14 @@ def link_bound(peers: int, nat: int, size: int, rate_bps: int) -> float:
 # ---- what to run ---------------------------------------------------------------------
 
 
-def gonka_codecs(requested: str | None, quick: bool) -> list[str]:
+def gonka_codecs(requested: str | None, quick: bool, smoke: bool = False) -> list[str]:
     from p2p.codecs import CODECS
     from p2p.config import SwarmConfig
 
     if "codec" not in SwarmConfig.__dataclass_fields__:
         return ["fp32"]
-    default = [n for n in QUICK_GONKA_CODECS if n in CODECS] if quick else list(CODECS)
+    default = (SMOKE_GONKA_CODECS if smoke else [n for n in QUICK_GONKA_CODECS if n in CODECS] if quick
+               else list(CODECS))
     names = [n for n in requested.split(",") if n] if requested else default
     unknown = [n for n in names if n not in CODECS]
     if unknown:
@@ -172,7 +179,7 @@ def configurations(args) -> list[tuple[str, str]]:
         raise ValueError(f"--systems: unknown system {', '.join(sorted(unknown))} (gonka-node, hivemind, gloo)")
     configs = []
     if "gonka-node" in systems:
-        configs += [("gonka-node", c) for c in gonka_codecs(args.codecs, args.quick)]
+        configs += [("gonka-node", c) for c in gonka_codecs(args.codecs, args.quick, getattr(args, "smoke", False))]
     if "hivemind" in systems:
         configs += [("hivemind", c) for c in (QUICK_HIVEMIND_CODECS if args.quick else HIVEMIND_CODECS)]
     if "gloo" in systems:
@@ -345,7 +352,9 @@ def run(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT / "scripts"))
     import netbed
 
-    args.params = args.params or (5_000_000 if args.quick else 25_000_000)
+    smoke = getattr(args, "smoke", False)
+    args.peers = args.peers or (SMOKE_PEERS if smoke else 4)
+    args.params = args.params or (SMOKE_PARAMS if smoke else 5_000_000 if args.quick else 25_000_000)
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.warmup is None:
         args.warmup = 0 if args.quick else 1

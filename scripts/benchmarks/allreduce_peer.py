@@ -281,7 +281,9 @@ def run_hivemind(args, x: torch.Tensor, deadline: float) -> dict:
             t_grouped = time.time()
             control.allow_allreduce()
             info = control.result(timeout=max(1.0, deadline - time.time()))
-            t_exit = time.time()
+            # The average is in the averager's tensors as the step returns: nothing is left to
+            # decode, so its commit and its exit are one moment (gonka-node decodes after it).
+            t_commit = t_exit = time.time()
             if info is None:
                 raise RuntimeError(f"hivemind step {r} failed")
             with averager.get_tensors() as tensors:
@@ -316,6 +318,7 @@ def run_gloo(args, x: torch.Tensor, deadline: float) -> dict:
             nic0 = nic_tx_bytes()
             t_enter = time.time()
             dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            t_commit = time.time()  # every peer holds the sum; the division makes it the mean
             t.div_(args.peers)
             t_exit = time.time()
             result = t

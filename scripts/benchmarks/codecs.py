@@ -44,8 +44,10 @@ def codec_names(text: str) -> list[str]:
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--numel", type=positive_int, help="vector length (default 25,000,000; 5,000,000 with --quick)")
-    group.add_argument("--repeats", type=positive_int, help="timed repeats per codec, median reported (default 5; 3 with --quick)")
+    group.add_argument("--numel", type=positive_int,
+                       help="vector length (default 25,000,000; 5,000,000 with --quick, 65,536 with --smoke)")
+    group.add_argument("--repeats", type=positive_int,
+                       help="timed repeats per codec, median reported (default 5; 3 with --quick, 1 with --smoke)")
     group.add_argument("--codecs", type=codec_names, default=list(CODECS), help="comma-separated codecs (default: all)")
 
 
@@ -83,8 +85,9 @@ def time_codec(name: str, x: torch.Tensor, repeats: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    numel = args.numel or (5_000_000 if args.quick else 25_000_000)
-    repeats = args.repeats or (3 if args.quick else 5)
+    smoke = getattr(args, "smoke", False)
+    numel = args.numel or (1 << 16 if smoke else 5_000_000 if args.quick else 25_000_000)
+    repeats = args.repeats or (1 if smoke else 3 if args.quick else 5)
     names = args.codecs
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     load_before = os.getloadavg()

@@ -58,9 +58,9 @@ OUTER_MOMENTUM = 0.8
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--workers", type=int, default=4, help="k workers (default 4)")
-    group.add_argument("--inner-steps", type=int, default=0, help="H (default 130; 20 with --quick)")
-    group.add_argument("--rounds", type=int, default=0, help="outer rounds (default 8; 6 with --quick)")
+    group.add_argument("--workers", type=int, default=0, help="k workers (default 4; 2 with --smoke)")
+    group.add_argument("--inner-steps", type=int, default=0, help="H (default 130; 20 with --quick, 2 with --smoke)")
+    group.add_argument("--rounds", type=int, default=0, help="outer rounds (default 8; 6 with --quick, 2 with --smoke)")
     group.add_argument("--batch-size", type=int, default=0, help="sequences per worker step (default 4)")
     group.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default 64)")
     group.add_argument("--seed", type=int, default=0)
@@ -93,11 +93,12 @@ def _configs(args):
 
 
 def _defaults(args) -> None:
-    quick = args.quick
+    quick, smoke = args.quick, getattr(args, "smoke", False)
     # H = 130 is the smallest H at which fp4 sends >= 1000x fewer bytes than data-parallel
     # training (130 x 7.76); 8 rounds of batch 4 x 64 keep the full run near 10 minutes on 2 cores.
-    args.inner_steps = args.inner_steps or (20 if quick else 130)
-    args.rounds = args.rounds or (6 if quick else 8)
+    args.workers = args.workers or (2 if smoke else 4)
+    args.inner_steps = args.inner_steps or (2 if smoke else 20 if quick else 130)
+    args.rounds = args.rounds or (2 if smoke else 6 if quick else 8)
     args.batch_size = args.batch_size or 4
     args.seq_len = args.seq_len or 64
     if min(args.workers, args.inner_steps, args.rounds, args.batch_size, args.seq_len, args.threads) < 1:

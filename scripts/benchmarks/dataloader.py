@@ -38,9 +38,10 @@ SHAPES = [(8, 1024), (32, 2048)]
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--gb", type=float, help="dataset size in GB (default 2.1; 0.25 with --quick)")
+    group.add_argument("--gb", type=float, help="dataset size in GB (default 2.1; 0.25 with --quick, 0.01 with --smoke)")
     group.add_argument("--seconds", type=float, help="sampling time per row (default 10; 2 with --quick)")
-    group.add_argument("--batches", type=positive_int, help="batches per row instead of a time budget")
+    group.add_argument("--batches", type=positive_int,
+                       help="batches per row instead of a time budget (default: none; 20 with --smoke)")
 
 
 def _rss_mb() -> float:
@@ -94,8 +95,11 @@ def write_dataset(path: str, tokens: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    gb = args.gb or (0.25 if args.quick else 2.1)
+    smoke = getattr(args, "smoke", False)
+    gb = args.gb or (0.01 if smoke else 0.25 if args.quick else 2.1)
     seconds = args.seconds or (2.0 if args.quick else 10.0)
+    if smoke and not args.seconds:
+        args.batches = args.batches or 20
     tokens = int(gb * 1e9) // 2
     work = tempfile.mkdtemp(prefix="bench-dataloader-")
     try:

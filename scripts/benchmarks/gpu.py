@@ -52,7 +52,7 @@ import tempfile
 from pathlib import Path
 
 from .options import int_at_least, positive_int
-from .overhead import chunk_rates, node_command, prepare, run_node, run_script, trained_rates
+from .overhead import SMOKE_SOURCES, chunk_rates, node_command, prepare, run_node, run_script, trained_rates
 from .utilization import phases
 
 # Dense (no sparsity) bf16 tensor-core peak in TFLOPS, from NVIDIA's datasheets (half the
@@ -129,12 +129,14 @@ dist.destroy_process_group()
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--model-dir", type=Path, help="an existing Hugging Face model directory with its tokenizer "
                        "(default: build a Llama-shaped ~0.85B model with random weights)")
-    group.add_argument("--tiny", action="store_true", help="build a two-layer model instead (a smoke run on the CPU)")
+    group.add_argument("--tiny", action="store_true",
+                       help="build a two-layer model instead (a smoke run on the CPU; --smoke implies it)")
     group.add_argument("--device", default="cuda:0", help="cuda, cuda:N or cpu (default cuda:0)")
     group.add_argument("--batch-size", type=positive_int, help="sequences per step (default 8; 4 with --tiny); "
                        "lower it where the model does not fit the GPU")
     group.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 2048; 64 with --tiny)")
-    group.add_argument("--steps", type=positive_int, help="inner steps per round / chunk (default 20; 5 with --quick)")
+    group.add_argument("--steps", type=positive_int,
+                       help="inner steps per round / chunk (default 20; 5 with --quick, 2 with --smoke)")
     group.add_argument("--rounds", type=int_at_least(2),
                        help="rounds per node run, the first a warm-up (default 4; 2 with --quick)")
     group.add_argument("--pairs", type=positive_int, help="node/bare pairs, medians reported (default 3; 1 with --quick)")
@@ -218,17 +220,19 @@ def run(args: argparse.Namespace) -> dict:
             fail(f"--model-dir {args.model_dir}: no config.json there")
         if not any((args.model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             fail(f"--model-dir {args.model_dir}: no tokenizer there (prepare-data tokenizes with the model's own)")
-    batch = args.batch_size or (4 if args.tiny else 8)
-    seq = args.seq_len or (64 if args.tiny else 2048)
+    smoke = getattr(args, "smoke", False)
+    args.tiny = args.tiny or smoke
+    batch = args.batch_size or (2 if smoke else 4 if args.tiny else 8)
+    seq = args.seq_len or (32 if smoke else 64 if args.tiny else 2048)
     pairs = args.pairs or (1 if args.quick else 3)
-    steps = args.steps or (5 if args.quick else 20)
+    steps = args.steps or (2 if smoke else 5 if args.quick else 20)
     rounds = args.rounds or (2 if args.quick else 4)
     spec = dict(TINY_MODEL if args.tiny else DEFAULT_MODEL, max_position_embeddings=max(seq, 128 if args.tiny else 2048))
     rows, shape = [], None
     with tempfile.TemporaryDirectory(prefix="gonka-gpu-") as tmp:
         work = Path(tmp)
         print(f"gpu: {name} ({device}); building the model and token shards in {work} ...", file=sys.stderr, flush=True)
-        model, data = prepare(work, model=spec, model_dir=args.model_dir)
+        model, data = prepare(work, model=spec, model_dir=args.model_dir, **({"sources": SMOKE_SOURCES} if smoke else {}))
         for pair in range(pairs):
             log = run_node(node_command(model, data, run_id=f"gpu-{pair}", steps=steps, rounds=rounds,
                                         threads=args.threads, batch=batch, seq=seq, precision="bf16",

@@ -40,9 +40,10 @@ LISTENING = re.compile(r"^listening on (\S+)", re.M)
 
 def add_arguments(group) -> None:
     group.add_argument("--rate", default="100mbit", help="every host's link, both ways (default 100mbit)")
-    group.add_argument("--model", default="small", choices=["tiny", "small", "base"], help="model preset (default small)")
-    group.add_argument("--rounds", type=int, default=6, help="rounds per run; round 1 is left out (default 6)")
-    group.add_argument("--inner-steps", type=int, default=2, help="inner steps per round (default 2)")
+    group.add_argument("--model", choices=["tiny", "small", "base"], help="model preset (default small; tiny with --smoke)")
+    group.add_argument("--rounds", type=int,
+                       help="rounds per run; round 1 is left out (default 6; 3 with --quick, 2 with --smoke)")
+    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 2; 1 with --smoke)")
     group.add_argument("--prefix", default="ghr", help="testbed name prefix (default ghr)")
 
 
@@ -128,6 +129,12 @@ def run(args) -> dict:
     sys.path.insert(0, str(SCRIPTS))
     import netbed
 
+    smoke = getattr(args, "smoke", False)
+    args.model = args.model or ("tiny" if smoke else "small")
+    args.rounds = args.rounds or (2 if smoke else 3 if args.quick else 6)
+    args.inner_steps = args.inner_steps or (1 if smoke else 2)
+    if args.rounds < 2 or args.inner_steps < 1:
+        raise ValueError("--rounds must be >= 2 (round 1 is left out), --inner-steps >= 1")
     netbed.parse_rate(args.rate)
     workdir = Path(tempfile.mkdtemp(prefix="hostranks-"))
     rows = []

@@ -47,12 +47,14 @@ RESYNCED = re.compile(r"^(\S+ \S+),(\d+) INFO gonka\.node: resynced round=(\d+)"
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--donors", type=int, default=3, help="donor hosts running gonka-node (default 3; min_peers = donors)")
+    group.add_argument("--donors", type=int,
+                       help="donor hosts running gonka-node (default 3; 2 with --smoke; min_peers = donors)")
     group.add_argument("--rate", default="100mbit", help="every donor's link, both ways (default 100mbit)")
     group.add_argument("--joiner-rate", help="the joiner's link, the bound's basis (default: --rate)")
     group.add_argument("--model", choices=["tiny", "small", "base"], help="model preset (default small; tiny with --quick)")
-    group.add_argument("--inner-steps", type=int, help="donors' inner steps per round (default 12 for small, 100 for tiny, 40 with --quick)")
-    group.add_argument("--joins", type=int, help="joins, each with a fresh joiner (default 3; 2 with --quick)")
+    group.add_argument("--inner-steps", type=int, help="donors' inner steps per round (default 12 for small, 100 for "
+                                                       "tiny, 40 with --quick, 10 with --smoke)")
+    group.add_argument("--joins", type=int, help="joins, each with a fresh joiner (default 3; 2 with --quick, 1 with --smoke)")
     group.add_argument("--warmup-rounds", type=int, help="rounds every donor commits before the first join (default 2; 1 with --quick)")
     group.add_argument("--join-timeout", type=float, default=180.0, help="seconds one joiner may take (default 180)")
     group.add_argument("--prefix", default="gsj", help="testbed name prefix (default gsj)")
@@ -128,9 +130,11 @@ def run(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(SCRIPTS))
     import netbed
 
+    smoke = getattr(args, "smoke", False)
+    args.donors = args.donors or (2 if smoke else 3)
     args.model = args.model or ("tiny" if args.quick else "small")
-    args.inner_steps = args.inner_steps or ((40 if args.quick else 100) if args.model == "tiny" else 12)
-    args.joins = args.joins or (2 if args.quick else 3)
+    args.inner_steps = args.inner_steps or (10 if smoke else (40 if args.quick else 100) if args.model == "tiny" else 12)
+    args.joins = args.joins or (1 if smoke else 2 if args.quick else 3)
     args.warmup_rounds = args.warmup_rounds or (1 if args.quick else 2)
     if args.donors < 1 or args.joins < 1 or args.inner_steps < 1:
         raise ValueError("--donors, --joins and --inner-steps must be >= 1")

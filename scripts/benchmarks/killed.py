@@ -39,10 +39,12 @@ COLUMNS = ["rtt_ms", "nodes", "normal_s", "killed_round_s", "extra_s", "extra_rt
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--nodes", type=positive_int, default=4, help="testbed hosts, one node each (default 4)")
+    group.add_argument("--nodes", type=positive_int, help="testbed hosts, one node each (default 4; 3 with --smoke)")
     group.add_argument("--rate", default="100mbit", help="every host's link, both ways (default 100mbit)")
     group.add_argument("--model", choices=["tiny", "small"], default="tiny", help="model preset (default tiny)")
-    group.add_argument("--inner-steps", type=positive_int, default=20, help="inner steps per round (default 20)")
+    group.add_argument("--inner-steps", type=positive_int, default=20,
+                       help="inner steps per round (default 20: the rounds must outlast a late node's state download, "
+                            "or it never joins a full group before the kill round)")
     group.add_argument("--phase", choices=["grouped", "reduce", "gather", "commit"], default="reduce",
                        help="where the last node dies (p2p/faults.py; default reduce)")
     group.add_argument("--kill-round", type=positive_int, default=4, help="the round it dies in (default 4)")
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(SCRIPTS))
     import netbed
 
+    smoke = getattr(args, "smoke", False)
+    args.nodes = args.nodes or (3 if smoke else 4)
     args.after = args.after or (1 if args.quick else 2)
     if args.nodes < 3:
         raise ValueError("--nodes must be at least 3 (two survivors make a round)")

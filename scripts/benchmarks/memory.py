@@ -46,11 +46,14 @@ MINIMUM_CPU = 30  # bytes per parameter: see the module docstring
 def add_arguments(group) -> None:
     group.add_argument("--models", default="tiny,small", help="two presets, smaller first (default tiny,small)")
     group.add_argument("--ranks", default="1,2", help="ranks per host to measure (default 1,2; '': none)")
-    group.add_argument("--rounds", type=int, default=4, help="rounds per run, the first a warm-up (default 4)")
-    group.add_argument("--inner-steps", type=int, default=3, help="inner steps per round (default 3)")
+    group.add_argument("--rounds", type=int,
+                       help="rounds per run, the first a warm-up (default 4; 3 with --quick, 2 with --smoke)")
+    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 3; 4 with --smoke, where the "
+                                                       "tiny model's steps take ~35 ms)")
     group.add_argument("--codec", default="int8", help="the swarm's codec (default int8, with error feedback)")
-    group.add_argument("--outer-params", default="16000000,64000000",
-                       help="outer state alone (what a GPU host keeps in RAM): two sizes, smaller first; '' skips it")
+    group.add_argument("--outer-params",
+                       help="outer state alone (what a GPU host keeps in RAM): two sizes, smaller first; '' skips it "
+                            "(default 16000000,64000000; 1000000,2000000 with --smoke)")
 
 
 def _stamp(date: str, ms: str) -> float:
@@ -97,6 +100,9 @@ def measure(model: str, ranks: int, args) -> dict:
         raise RuntimeError(f"no trained rounds in the first host's log:\n{log[-2000:]}")
     start = phases[0][0]
     train = [m for t, m in samples if any(a <= t <= b for a, b, _ in phases)]
+    if not train:
+        raise RuntimeError(f"{model}, {ranks} rank(s): no 50 ms memory sample fell inside a phase of inner steps "
+                           f"(the longest took {max(b - a for a, b, _ in phases):.3f} s): raise --inner-steps")
     rounds = [m for t, m in samples if t >= start and not any(a <= t <= b for a, b, _ in phases)]
     return {"model": model, "ranks": ranks, "params": state_numel(model), "train_peak_mb": max(train) / 2**20,
             "round_peak_mb": max(rounds) / 2**20 if rounds else float("nan")}
@@ -128,6 +134,14 @@ def measure_outer(params: int, args) -> dict:
 
 
 def run(args) -> dict:
+    smoke = getattr(args, "smoke", False)
+    args.rounds = args.rounds or (2 if smoke else 3 if args.quick else 4)
+    # A phase of inner steps must outlast a few 50 ms samples, or none of them lands inside it.
+    args.inner_steps = args.inner_steps or (4 if smoke else 3)
+    if args.outer_params is None:
+        args.outer_params = "1000000,2000000" if smoke else "16000000,64000000"
+    if args.rounds < 2:
+        raise ValueError("--rounds must be >= 2 (the first is a warm-up)")
     small, big = args.models.split(",")
     rows, summary = [], []
     if args.outer_params:

@@ -36,6 +36,10 @@ CHUNK = re.compile(r"chunk=(\d+) steps=(\d+) seconds=([0-9.]+)")
 # The model both train: a small Qwen2 with tied embeddings (tests/hf_models.py's keywords).
 MODEL = dict(arch="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+# --smoke: the same architecture at toy size, trained on a few documents.
+SMOKE_MODEL = dict(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+SMOKE_SOURCES = 40
 
 BARE_LOOP = r"""
 import sys, time, numpy as np, torch, torch.nn.functional as F
@@ -74,25 +78,27 @@ for chunk in range(chunks):
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pairs", type=positive_int, help="node/bare pairs, median reported (default 3; 1 with --quick)")
-    group.add_argument("--steps", type=positive_int, help="inner steps per round / chunk (default 20; 5 with --quick)")
+    group.add_argument("--steps", type=positive_int,
+                       help="inner steps per round / chunk (default 20; 5 with --quick, 2 with --smoke)")
     group.add_argument("--rounds", type=positive_int, help="rounds per node run, the first a warm-up (default 4; 2 with --quick)")
     group.add_argument("--threads", type=positive_int, default=1, help="torch threads of both (default 1)")
-    group.add_argument("--batch", type=positive_int, default=8, help="sequences per step (default 8)")
-    group.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence (default 128)")
+    group.add_argument("--batch", type=positive_int, help="sequences per step (default 8; 2 with --smoke)")
+    group.add_argument("--seq", type=positive_int, help="tokens per sequence (default 128; 32 with --smoke)")
 
 
-def prepare(work: Path, model: dict | None = None, model_dir: Path | None = None) -> tuple[Path, Path]:
+def prepare(work: Path, model: dict | None = None, model_dir: Path | None = None,
+            sources: int = 400) -> tuple[Path, Path]:
     """A tokenizer trained on standard-library sources, a model directory with random weights
     (``model``: an architecture and config keywords for tests/hf_models.py, default ``MODEL``),
-    and token shards of those sources. With ``model_dir``, that existing directory (and its own
-    tokenizer) instead of a new one."""
+    and token shards of those sources (the first ``sources`` files, the tokenizer trained on a
+    quarter of them). With ``model_dir``, that existing directory (and its own tokenizer) instead
+    of a new one."""
     sys.path.insert(0, str(ROOT))
     from tests.hf_fixtures import build_tokenizer
     from tests.hf_models import build_model_dir
     from trainer.data import default_corpus_paths
 
-    sources = default_corpus_paths()[:400]
-    texts = [Path(p).read_text(errors="replace") for p in sources]
+    texts = [Path(p).read_text(errors="replace") for p in default_corpus_paths()[:sources]]
     text_dir = work / "text"
     text_dir.mkdir()
     for i, text in enumerate(texts):
@@ -100,7 +106,8 @@ def prepare(work: Path, model: dict | None = None, model_dir: Path | None = None
     if model_dir is None:
         config = dict(model or MODEL)
         arch = config.pop("arch")
-        tokenizer = build_tokenizer(str(work / "tokenizer"), texts[:100], vocab_size=config["vocab_size"])
+        tokenizer = build_tokenizer(str(work / "tokenizer"), texts[: max(1, sources // 4)],
+                                    vocab_size=config["vocab_size"])
         model_dir = Path(build_model_dir(work / "model", arch, tokenizer_dir=tokenizer, **config))
     data = work / "data"
     subprocess.run([str(NODE_BIN), "prepare-data", "--tokenizer", str(model_dir), "--out", str(data), str(text_dir)],
@@ -162,13 +169,16 @@ def bare_rate(model: Path, data: Path, args, steps: int, chunks: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    smoke = getattr(args, "smoke", False)
     pairs = args.pairs or (1 if args.quick else 3)
-    steps = args.steps or (5 if args.quick else 20)
+    steps = args.steps or (2 if smoke else 5 if args.quick else 20)
     rounds = args.rounds or (2 if args.quick else 4)
+    args.batch = args.batch or (2 if smoke else 8)
+    args.seq = args.seq or (32 if smoke else 128)
     rows = []
     with tempfile.TemporaryDirectory(prefix="gonka-overhead-") as tmp:
         work = Path(tmp)
-        model, data = prepare(work)
+        model, data = prepare(work, **(dict(model=SMOKE_MODEL, sources=SMOKE_SOURCES) if smoke else {}))
         for pair in range(pairs):
             node = node_rate(work, model, data, args, steps, rounds, str(pair))
             bare = bare_rate(model, data, args, steps, rounds)

@@ -58,9 +58,11 @@ def sizes_arg(text: str) -> list[int]:
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--sizes", type=sizes_arg, help="swarm sizes M, comma-separated (default 8,16,32; 4,8 with --quick)")
-    group.add_argument("--rounds", type=int, help="rounds per size (default 3; 2 with --quick)")
-    group.add_argument("--numel", type=int, help="fp32 values averaged per round (default: the tiny model's parameters)")
+    group.add_argument("--sizes", type=sizes_arg,
+                       help="swarm sizes M, comma-separated (default 8,16,32; 4,8 with --quick, 2,3 with --smoke)")
+    group.add_argument("--rounds", type=int, help="rounds per size (default 3; 2 with --quick, 1 with --smoke)")
+    group.add_argument("--numel", type=int, help="fp32 values averaged per round (default: the tiny model's parameters; "
+                                                 "65,536 with --smoke)")
     group.add_argument("--peers-per-process", type=int, default=8, help="light peers per Python process (default 8)")
     group.add_argument("--heartbeat", type=float, default=2.0,
                        help="swarm.heartbeat_interval of the peers (default 2.0 s, the node's default; at 1.0 s and "
@@ -197,9 +199,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    args.sizes = args.sizes or ([4, 8] if args.quick else [8, 16, 32])
-    args.rounds = args.rounds or (2 if args.quick else 3)
-    args.numel = args.numel or state_numel("tiny")
+    smoke = getattr(args, "smoke", False)
+    args.sizes = args.sizes or ([2, 3] if smoke else [4, 8] if args.quick else [8, 16, 32])
+    args.rounds = args.rounds or (1 if smoke else 2 if args.quick else 3)
+    args.numel = args.numel or (1 << 16 if smoke else state_numel("tiny"))
     if args.rounds < 1 or args.numel < 1 or args.peers_per_process < 1:
         raise ValueError("--rounds, --numel and --peers-per-process must be >= 1")
     rows, notes = [], []

@@ -40,8 +40,9 @@ COLUMNS = ["operation", "median_us", "p90_us", "per_second", "bytes"]
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--repeats", type=positive_int, help="timed calls per row (default 500; 50 with --quick)")
-    group.add_argument("--table", type=positive_int, default=100, help="entries of the table_read row (default 100)")
+    group.add_argument("--repeats", type=positive_int,
+                       help="timed calls per row (default 500; 50 with --quick, 5 with --smoke)")
+    group.add_argument("--table", type=positive_int, help="entries of the table_read row (default 100; 8 with --smoke)")
 
 
 def heartbeat(i: int) -> dict:
@@ -69,7 +70,8 @@ def _row(name: str, seconds: list[float], size: int | str = "") -> dict:
 
 
 def run(args) -> dict:
-    repeats = args.repeats or (50 if args.quick else 500)
+    smoke = getattr(args, "smoke", False)
+    repeats = args.repeats or (5 if smoke else 50 if args.quick else 500)
     now = time.time()
     key = DHTID.generate(source=peer_table_key(RUN)).to_bytes()
     owners = [RecordSigner.from_identity(generate_identity()) for _ in range(2)]
@@ -109,7 +111,7 @@ def run(args) -> dict:
     rows.append(_row("cert_check", _timed(lambda i: members.learn_cert(certs[i], now), repeats),
                      len(certs[0])))
 
-    n = args.table
+    n = args.table or (8 if smoke else 100)  # one RSA key each: ~0.1 s to make
     signers = [RecordSigner.from_identity(generate_identity()) for _ in range(n)]
     table_validator = validator()
     batches = []

@@ -90,11 +90,12 @@ def modes_arg(text: str) -> list[str]:
 def add_arguments(group) -> None:
     group.add_argument("--overlap", type=modes_arg, default=["off", "eager"],
                        help="overlap modes to compare, one swarm run each, in this order (default off,eager)")
-    group.add_argument("--nodes", type=int, default=4, help="testbed hosts, one node each (default 4; min_peers = nodes)")
-    group.add_argument("--rate", default="20mbit",
-                       help="every host's link, both ways (default 20mbit: the tiny model's all-reduce takes ~2.6 s)")
+    group.add_argument("--nodes", type=int,
+                       help="testbed hosts, one node each (default 4; 2 with --smoke; min_peers = nodes)")
+    group.add_argument("--rate", help="every host's link, both ways (default 20mbit: the tiny model's all-reduce "
+                                      "takes ~2.6 s; 100mbit with --smoke)")
     group.add_argument("--rounds", type=int, help="outer rounds R (default 8; 4 with --quick)")
-    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 60; 30 with --quick)")
+    group.add_argument("--inner-steps", type=int, help="inner steps per round (default 60; 30 with --quick, 3 with --smoke)")
     group.add_argument("--model", choices=["tiny", "small", "base"], default="tiny", help="model preset (default tiny)")
     group.add_argument("--run-timeout", type=float, help="seconds one mode's run may take (default 120 + 30 s per round)")
     group.add_argument("--prefix", default="gsj", help="testbed name prefix (default gsj)")
@@ -245,8 +246,11 @@ def run(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(SCRIPTS))
     import netbed
 
+    smoke = getattr(args, "smoke", False)
+    args.nodes = args.nodes or (2 if smoke else 4)
+    args.rate = args.rate or ("100mbit" if smoke else "20mbit")
     args.rounds = args.rounds or (4 if args.quick else 8)
-    args.inner_steps = args.inner_steps or (30 if args.quick else 60)
+    args.inner_steps = args.inner_steps or (3 if smoke else 30 if args.quick else 60)
     if args.nodes < 2 or args.rounds < 4 or args.inner_steps < 1:
         raise ValueError("--nodes must be >= 2, --rounds >= 4 (phases 2..R and 3..R need two each), --inner-steps >= 1")
     netbed.parse_rate(args.rate)
