@@ -4,13 +4,12 @@ what is wrong, exit code 2, and nothing left running."""
 import json
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.hf_fixtures import build_tokenizer
 from tests.hf_models import build_model_dir
-from tests.integration.nodes import BIN, FAST, children_of
+from tests.integration.nodes import BIN, FAST, children_of, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -52,11 +51,29 @@ def start(tmp_path, model: str, data: str, *extra: str) -> subprocess.CompletedP
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def start_in_process(capsys, model: str, data: str) -> tuple[int, str]:
+    """The same `gonka-node start`, in this process: every case here fails in its start-up
+    checks, and a process each would pay a node's imports (transformers' among them) again.
+    Returns the exit code and what it wrote to stderr."""
+    import torch
+
+    from node.cli import main
+
+    threads = torch.get_num_threads()  # a node's start-up sets its own
+    capsys.readouterr()
+    try:
+        code = main(["start", *FAST, "--control", "off", "--model", model, "--data", data, "--max-rounds", "1",
+                     "--set", "data.seq_len=32"])
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().err
+
+
 def shard_of(directory) -> str:
     return json.loads((directory / "manifest.json").read_text())["shards"][0]["file"]
 
 
-def test_bad_models_and_datasets_exit_2_naming_the_path(prepared, tmp_path):
+def test_bad_models_and_datasets_exit_2_naming_the_path(prepared, tmp_path, capsys, monkeypatch):
     root = prepared
     (tmp_path / "no-config").mkdir()
     (tmp_path / "vision").mkdir()
@@ -93,17 +110,24 @@ def test_bad_models_and_datasets_exit_2_naming_the_path(prepared, tmp_path):
         (model, str(wrong_hash), str(wrong_hash), "sha256"),
         (model, str(wrong_count), str(wrong_count), "tokens"),
     ]
-    # Each start pays a node's imports before it can look at its input: three at a time.
-    with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda case: start(tmp_path, case[0], case[1]), cases))
-    for (model_arg, data_arg, names, says), out in zip(cases, outs):
-        errors = [line for line in out.stderr.splitlines() if line.startswith("gonka-node: error:")]
-        assert out.returncode == 2, (model_arg, data_arg, out.stderr[-2000:])
-        assert len(errors) == 1, out.stderr[-2000:]
+    for var in [v for v in os.environ if v.startswith("GONKA_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.chdir(tmp_path)
+    before = set(children_of(os.getpid()))
+    for model_arg, data_arg, names, says in cases:
+        code, err = start_in_process(capsys, model_arg, data_arg)
+        errors = [line for line in err.splitlines() if line.startswith("gonka-node: error:")]
+        assert code == 2, (model_arg, data_arg, err[-2000:])
+        assert len(errors) == 1, err[-2000:]
         assert names in errors[0] and says in errors[0], errors[0]
     # Text read as bytes is for the byte-level presets only.
-    out = start(tmp_path, model, str(root / "text.txt"))
-    assert out.returncode == 2 and "prepare-data" in out.stderr.splitlines()[-1], out.stderr[-2000:]
+    code, err = start_in_process(capsys, model, str(root / "text.txt"))
+    assert code == 2 and "prepare-data" in err.splitlines()[-1], err[-2000:]
+    # Nothing a refused start began (p2pd, for the checks that need the model) is left running.
+    wait_until(lambda: set(children_of(os.getpid())) <= before, 30, "the refused starts' children to exit")
+    # And through the CLI as a user runs it, once: the same line, exit 2, nothing left.
+    out = start(tmp_path, *cases[4][:2])
+    assert out.returncode == 2 and cases[4][3] in out.stderr.splitlines()[-1], out.stderr[-2000:]
 
 
 def test_a_corrupt_shard_found_while_training_stops_the_node_with_exit_1(prepared, tmp_path):
