@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from trainer.config import ModelConfig
 from trainer.parallel import local_tensor, own_rows
-from trainer.presets import BYTE_VOCAB, PRESETS, PresetLlama, preset_fields
+from trainer.presets import PRESETS, PresetLlama, preset_fields  # noqa: F401 (PRESETS: re-exported)
 
 log = logging.getLogger(__name__)
 

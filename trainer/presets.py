@@ -89,7 +89,7 @@ class LlamaRotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * 1.0).to(dtype=x.dtype), (emb.sin() * 1.0).to(dtype=x.dtype)
+        return emb.cos().to(dtype=x.dtype), emb.sin().to(dtype=x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ class LlamaAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=self.scaling,
                                              is_causal=q.shape[2] > 1)
         out = out.transpose(1, 2).contiguous()
-        return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
 
 class LlamaMLP(nn.Module):
