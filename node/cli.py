@@ -17,7 +17,7 @@ import sys
 from typing import Any, NoReturn
 
 from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd, top_cmd
-from node.config import ConfigError, default_of, load_config, setting_errors, to_toml
+from node.config import ConfigError, default_of, load_config, load_injection, setting_errors, to_toml
 from node.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, PROG, UsageError, report, version
 
 
@@ -160,6 +160,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         if exc.key in flag_of and "(from " not in message:
             raise ConfigError(f"{message} (from {flag_of[exc.key]})", exc.key) from None
         raise
+    injection = load_injection(os.environ)  # GONKA_TEST_* (tests only): read here and nowhere else
     if getattr(args, "print_config", False):
         sys.stdout.write(to_toml(config))
         return EXIT_OK
@@ -175,11 +176,11 @@ def _cmd_start(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) > 0:
             from node.follower import run_follower
 
-            return run_follower(config)
+            return run_follower(config, injection)
     from node.daemon import run_node
 
     try:
-        return run_node(config)  # reports the user's bad input itself (exit code 2)
+        return run_node(config, injection)  # reports the user's bad input itself (exit code 2)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a fault, not bad input: with its traceback

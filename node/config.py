@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from node.errors import ConfigError
+from p2p import faults as fault_hooks, hostile as hostile_hooks
 from p2p.config import SwarmConfig
 from trainer.config import DataConfig, HostConfig, InnerConfig, ModelConfig, OuterConfig, require
 
@@ -314,6 +315,25 @@ def load_config(*, toml_path: str | None, environ: Mapping[str, str], overrides:
             source = sources.get(error.key)
             raise ConfigError(str(error) + (f" (from {source})" if source else ""), error.key) from None
     return Config(**sections)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultInjection:
+    """What tests ask a node to do wrong: die or wait at a chosen point (p2p/faults.py), lie as an
+    attacker would (p2p/hostile.py). No setting: only the ``GONKA_TEST_*`` variables set it,
+    and the node hands both to the components that act on them."""
+
+    faults: fault_hooks.Faults = dataclasses.field(default_factory=fault_hooks.Faults)
+    hostile: hostile_hooks.Behaviour = hostile_hooks.HONEST
+
+
+def load_injection(environ: Mapping[str, str]) -> FaultInjection:
+    """The one place the test hooks are read, at start-up; a bad value is a ``ConfigError``
+    naming its variable (exit code 2)."""
+    try:
+        return FaultInjection(fault_hooks.from_environ(environ), hostile_hooks.from_environ(environ))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def setting_error(exc: ValueError) -> ConfigError | None:

@@ -21,7 +21,7 @@ import time
 import torch
 
 from node import history
-from node.config import Config, setting_errors
+from node.config import Config, FaultInjection, setting_errors
 from node.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError, report, version
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
@@ -33,7 +33,7 @@ log = logging.getLogger("gonka.node")
 RANKS_CONNECT_SECONDS = 120.0  # the other ranks of a multi-rank host import torch and connect
 
 
-def run_node(config: Config) -> int:
+def run_node(config: Config, injection: FaultInjection | None = None) -> int:
     """Run a node until it stops; returns the process exit code.
 
     Bad input found at start-up is reported here as one line (exit code 2); any other
@@ -41,7 +41,7 @@ def run_node(config: Config) -> int:
     import uvloop
 
     try:
-        return uvloop.run(Node(config).run())
+        return uvloop.run(Node(config, injection).run())
     except UsageError as e:
         report(str(e))
         return EXIT_USAGE
@@ -62,8 +62,9 @@ def resolve_device(name: str) -> str:
 
 
 class Node:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, injection: FaultInjection | None = None) -> None:
         self.config = config
+        self.injection = injection or FaultInjection()  # test hooks (p2p/faults.py, p2p/hostile.py)
         self.status = Status(run_id=config.node.run_id, version=version())
         self.metrics = None
         self.control = None
@@ -255,14 +256,15 @@ class Node:
         log.info("run fingerprint %s (%s)", fingerprint.digest[:16],
                  ", ".join(f"{k}={v}" for k, v in fingerprint.parts.items()))
         commits = CommitLog(self.swarm.scope, genesis)
-        rounds = RoundProtocol(self.swarm, self.metrics, commits, weight_cap=weight_cap)
+        rounds = RoundProtocol(self.swarm, self.metrics, commits, weight_cap=weight_cap,
+                               faults=self.injection.faults, hostile=self.injection.hostile)
         if self.ranks is not None:  # the other ranks serve their shards under the run's scope
             from node.ranks import HostShards
 
             await self.ranks.request("serve", maddr=str(self.swarm.p2p.daemon_listen_maddr), scope=self.swarm.scope,
                                      peer=self.swarm.peer_id, cap=weight_cap)
             rounds.shards = HostShards(self.ranks)
-        server = StateServer(self.swarm, self.metrics, commits)
+        server = StateServer(self.swarm, self.metrics, commits, faults=self.injection.faults)
         if self.ranks is not None:  # a peer rank 0 serves the meta to may fetch every rank's shard
             ranks = self.ranks
             server.on_meta = lambda peer: ranks.request("allow", peer=peer)

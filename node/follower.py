@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from node.config import Config
+from node.config import Config, FaultInjection
 from node.ranks import MAX_MESSAGE_BYTES, SOCKET_ENV
 from p2p.wire import WireError, close_writer, read_frame, write_frame
 
@@ -31,21 +31,23 @@ CONNECT_SECONDS = 120.0  # rank 0 imports, starts p2pd and its swarm first
 END_WAIT_SECONDS = 30.0  # for a cancelled attempt's task to end (its network waits are cancelled at once)
 
 
-def run_follower(config: Config) -> int:
+def run_follower(config: Config, injection: FaultInjection | None = None) -> int:
     import uvloop
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        return uvloop.run(RankFollower(config).run())
+        return uvloop.run(RankFollower(config, injection).run())
     except Exception as e:
         log.error("rank %s: %s", os.environ.get("RANK"), e)
         return 1
 
 
 class RankFollower:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, injection: FaultInjection | None = None) -> None:
         self.config = config
+        # Test hooks: a rank dies where rank 0 would (p2p/faults.py); it never lies (p2p/hostile.py).
+        self.faults = (injection or FaultInjection()).faults
         self.rank = int(os.environ["RANK"])
         self.worker = None
         self.compute = None
@@ -147,6 +149,7 @@ class RankFollower:
         from p2p.codecs import get_codec
         from p2p.deadline import DeadlinePolicy
         from p2p.limits import StreamLimits
+        from p2p.hostile import HONEST
         from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, guarded, shard_names
         from p2p.transfer import ShardStateServer
 
@@ -162,7 +165,7 @@ class RankFollower:
             log.info("rank %d: rejected %s %s", self.rank, reason, detail[:120])
 
         self.plane = ShardPlane(me=h["peer"], codec=codec, use_feedback=cfg.error_feedback and codec.name != "fp32",
-                                aggregator=cfg.aggregator, weight_cap=float(h["cap"]), hostile=_honest(), dial=dial,
+                                aggregator=cfg.aggregator, weight_cap=float(h["cap"]), hostile=HONEST, faults=self.faults, dial=dial,
                                 metrics=metrics, reject=reject, offence=lambda peer, reason: None,
                                 deadlines=deadlines, request_timeout=cfg.request_timeout)
         streams = StreamLimits(cfg.max_streams_per_peer)
@@ -176,7 +179,8 @@ class RankFollower:
         # Our shard of the state, for joiners rank 0 lets in (p2p/transfer.py).
         self.state_name = f"gonka.{h['scope']}.state.s{self.rank}"
         self.reject = reject
-        self.server = ShardStateServer(self.p2p, self.state_name, streams, reject, metrics, cfg.request_timeout)
+        self.server = ShardStateServer(self.p2p, self.state_name, streams, reject, metrics, cfg.request_timeout,
+                                       faults=self.faults)
         await self.server.start(lambda handler: guarded(
             handler, streams=streams, admits=anyone, reject=reject, on_flood=lambda peer: None,
             limit=3 * cfg.request_timeout, request_timeout=cfg.request_timeout))
@@ -371,9 +375,3 @@ class RankCounts:
         self.sent_bytes.value = self.received_bytes.value = self.state_served.value = 0.0
         self.rejected = {}
         return counts
-
-
-def _honest():
-    from p2p.hostile import HONEST
-
-    return HONEST

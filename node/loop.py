@@ -13,7 +13,6 @@ import threading
 import time
 
 from node.status import Status
-from p2p import faults, hostile
 from p2p.group import counted_tokens
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
@@ -83,7 +82,7 @@ class TrainingLoop:
         background while the next round's inner steps run (delayed, eager)."""
         if self.pending is None:
             self.set_state("training")
-            if hostile.BEHAVIOUR.fake_states:  # test-only: a new claim every round, committed or not
+            if self.rounds.hostile.fake_states:  # test-only: a new claim every round, committed or not
                 await asyncio.to_thread(self._serve_fake_state)
         # The round these steps count towards: the next one, or the one after the round in flight.
         phase_round = self.worker.round + (1 if self.pending is None else 2)
@@ -342,7 +341,7 @@ class TrainingLoop:
                 try:
                     snap = await download.run(round, params_hash, donors,
                                               [list(s) for s in self.worker.state_shapes()])
-                    await faults.hold_download()
+                    await self.rounds.faults.hold_download()
                     if hasattr(self.worker, "load_shards"):  # a multi-rank host: every rank its shard
                         ok = await self.worker.load_shards(snap, donors, self.compute)
                     else:
@@ -400,7 +399,7 @@ class TrainingLoop:
     @property
     def announced_round(self) -> int:
         """The round this node tells the swarm it holds (a test-only hostile node lies, p2p/hostile.py)."""
-        return self.worker.round + (1000 if hostile.BEHAVIOUR.fakes_state else 0)
+        return self.worker.round + (1000 if self.rounds.hostile.fakes_state else 0)
 
     def set_state(self, state: str) -> None:
         self.status.state = state
@@ -435,7 +434,7 @@ class TrainingLoop:
         self.status.round, self.status.params_hash, self.status.inner_step = w.round, params_hash, w.inner_step
         self.swarm.announce(round=self.announced_round, hash=params_hash, step=w.inner_step, loss=self.status.loss,
                             rtok=self.round_step * self.tokens_per_step)
-        if hostile.BEHAVIOUR.fakes_state:  # test-only: claim a far newer round with a state of our own
+        if self.rounds.hostile.fakes_state:  # test-only: claim a far newer round with a state of our own
             await asyncio.to_thread(self._serve_fake_state)
 
     def _serve_fake_state(self) -> None:
@@ -445,7 +444,7 @@ class TrainingLoop:
 
         zeros = [torch.zeros(s) for s in self.worker.state_shapes()]
         params = zeros
-        if hostile.BEHAVIOUR.fake_states:  # another state each time: a refused claim gets a new one
+        if self.rounds.hostile.fake_states:  # another state each time: a refused claim gets a new one
             self._fakes += 1
             params = [torch.full(s, self._fakes * 1e-3) for s in self.worker.state_shapes()]
         fake_hash = params_digest(params)

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from p2p import faults
+from p2p.faults import NO_FAULTS, Faults
 from p2p.group import Group, RoundFailed
 from p2p.wire import SMALL_HEADER_BYTES, WireError, close_writer, field as hfield, read_frame, reply, write_frame
 
@@ -31,10 +31,12 @@ log = logging.getLogger(__name__)
 class PartExchange:
     """Moves one group's parts: ``run`` from the requester's side, ``serve`` from the owner's."""
 
-    def __init__(self, open_stream, metrics, reject, deadlines) -> None:
+    def __init__(self, open_stream, metrics, reject, deadlines, faults: Faults = NO_FAULTS) -> None:
         """``open_stream(peer, "part")`` opens a stream to a member; ``reject(reason, detail)`` counts
-        malformed input; ``deadlines.deadline()`` bounds an owner's side of the exchange."""
+        malformed input; ``deadlines.deadline()`` bounds an owner's side of the exchange;
+        ``faults``: test hooks (p2p/faults.py: ``reduce``, ``gather``)."""
         self._open_stream = open_stream
+        self.faults = faults
         self.metrics = metrics
         self._reject = reject
         self.deadlines = deadlines
@@ -67,7 +69,7 @@ class PartExchange:
             payload = await off_loop(group.encode_piece, j, k)
             self.metrics.sent_bytes.inc(await write_frame(writer, {}, payload,
                                                           timeout=max(0.1, group.deadline - loop.time())))
-        faults.checkpoint("reduce", group.round + 1, len(group.members))
+        self.faults.checkpoint("reduce", group.round + 1, len(group.members))
 
     async def _receive_average(self, group: Group, j: int, lane: int, reader, deadline: float) -> None:
         """Member j's averaged pieces of its part on ``lane``, into our result; count whatever is malformed."""
@@ -96,7 +98,7 @@ class PartExchange:
                 self._reject(e.reason, str(e))
                 group.blame.setdefault(group.members[j], e.reason)
                 raise
-        faults.checkpoint("gather", group.round + 1, len(group.members))
+        self.faults.checkpoint("gather", group.round + 1, len(group.members))
 
     async def _read_payload(self, reader, nbytes: int, deadline: float,
                             max_header: int = SMALL_HEADER_BYTES) -> tuple[dict, bytes]:

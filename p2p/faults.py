@@ -10,18 +10,24 @@ the committed round + 1) in a group of at least MEMBERS peers. Phases:
 - ``commit``: every vote is in and agrees, before the outer step is applied;
 - ``serve``: a peer asked it for a piece of the state, before it answered.
 
-Only tests set it; a node without the variable never takes these branches.
-
 ``GONKA_TEST_HOLD_FIRST_DOWNLOAD=SECONDS`` holds the node's first downloaded state
 that long before loading it, so a test can make the swarm commit meanwhile.
+
+The variables are read once, at start-up (``from_environ``, called by
+``node.config.load_injection``), into a ``Faults`` that is handed to the components
+that act on it (``RoundProtocol``, ``ShardPlane`` and its ``PartExchange``,
+``StateServer``); a component given none gets ``NO_FAULTS``, which never acts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
+from dataclasses import dataclass
+from typing import Mapping
 
 ENV = "GONKA_TEST_FAULT"
 HOLD_ENV = "GONKA_TEST_HOLD_FIRST_DOWNLOAD"
@@ -30,36 +36,59 @@ PHASES = ("grouped", "reduce", "gather", "commit", "serve")
 log = logging.getLogger(__name__)
 
 
-def _armed() -> tuple[str, int, int] | None:
-    spec = os.environ.get(ENV, "")
-    if not spec:
-        return None
-    phase, _, rest = spec.partition("@")
-    round_text, _, members_text = rest.partition(":")
-    if phase not in PHASES or not round_text.isdigit() or not (members_text or "0").isdigit():
-        raise ValueError(f"{ENV}: expected PHASE@ROUND[:MEMBERS] with PHASE in {', '.join(PHASES)} (got {spec!r})")
-    return phase, int(round_text), int(members_text or 0)
+@dataclass(slots=True)
+class Faults:
+    """Where this node dies, and how long it holds its first downloaded state; the default does neither."""
+
+    phase: str = ""  # one of PHASES; "": never die
+    round: int = 0  # ... at that phase of this round or a later one
+    members: int = 0  # ... in a group of at least this many members
+    hold_seconds: float = 0.0  # the first downloaded state waits this long (once)
+
+    def __post_init__(self) -> None:
+        assert self.phase in ("", *PHASES) and self.round >= 0 and self.members >= 0 and self.hold_seconds >= 0
+
+    @property
+    def any(self) -> bool:
+        return bool(self.phase) or self.hold_seconds > 0
+
+    def checkpoint(self, phase: str, round: int, members: int = 0) -> None:
+        """Die here if the test asked for a fault at this phase of this round."""
+        if self.phase == phase and round >= self.round and members >= self.members:
+            log.warning("fault injection: SIGKILL at %s of round %d", phase, round)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def hold_download(self) -> None:
+        """Before loading a downloaded state: wait if a test asked to hold the first one."""
+        if self.hold_seconds > 0:
+            seconds, self.hold_seconds = self.hold_seconds, 0.0
+            log.warning("fault injection: holding the first downloaded state %.1fs", seconds)
+            await asyncio.sleep(seconds)
 
 
-ARMED = _armed()
+NO_FAULTS = Faults()  # acts on nothing, so sharing it is safe
 
 
-def checkpoint(phase: str, round: int, members: int = 0) -> None:
-    """Die here if the test asked for a fault at this phase of this round."""
-    if ARMED is not None and ARMED[0] == phase and round >= ARMED[1] and members >= ARMED[2]:
-        log.warning("fault injection: SIGKILL at %s of round %d", phase, round)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+def parse(fault: str = "", hold: str = "") -> Faults:
+    """``PHASE@ROUND[:MEMBERS]`` and ``SECONDS`` as above ("": none); ValueError naming the variable."""
+    phase, round, members = "", 0, 0
+    if fault:
+        phase, _, rest = fault.partition("@")
+        round_text, _, members_text = rest.partition(":")
+        if phase not in PHASES or not round_text.isdigit() or not (members_text or "0").isdigit():
+            raise ValueError(f"{ENV}: expected PHASE@ROUND[:MEMBERS] with PHASE in {', '.join(PHASES)} (got {fault!r})")
+        round, members = int(round_text), int(members_text or 0)
+    try:
+        seconds = float(hold or 0.0)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{HOLD_ENV}: expected a number of seconds (got {hold!r})")
+    return Faults(phase, round, members, seconds)
 
 
-_hold = float(os.environ.get(HOLD_ENV) or 0.0)
-
-
-async def hold_download() -> None:
-    """Before loading a downloaded state: wait if a test asked to hold the first one."""
-    global _hold
-    if _hold > 0:
-        seconds, _hold = _hold, 0.0
-        log.warning("fault injection: holding the first downloaded state %.1fs", seconds)
-        await asyncio.sleep(seconds)
+def from_environ(environ: Mapping[str, str]) -> Faults:
+    """The faults a test set in ``environ`` (``ENV``, ``HOLD_ENV``)."""
+    return parse(environ.get(ENV, ""), environ.get(HOLD_ENV, ""))

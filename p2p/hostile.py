@@ -13,14 +13,16 @@ and the attack script do). Kinds:
 - ``fake_states``: the same with another state (another hash) every round;
 - ``flood``: open streams to every peer and leave them open.
 
-The hooks sit where an attacker would act, in the node's own code; a node
-without the variable never takes them.
+The hooks sit where an attacker would act, in the node's own code. The variable is
+read once, at start-up (``from_environ``, called by ``node.config.load_injection``), into
+a ``Behaviour`` handed to ``RoundProtocol`` (which gives it to its ``ShardPlane`` and
+groups, and the training loop reads it there); a component given none is ``HONEST``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Mapping
 
 ENV = "GONKA_TEST_HOSTILE"
 _FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "fake_states", "flood")
@@ -29,6 +31,8 @@ _VALUES = ("scale", "fill", "weight")
 
 @dataclass(frozen=True, slots=True)
 class Behaviour:
+    """How this node lies (the kinds above); ``Behaviour()`` (``HONEST``) does not."""
+
     scale: float | None = None
     fill: float | None = None
     weight: float | None = None
@@ -67,6 +71,8 @@ def parse(spec: str) -> Behaviour:
 
 
 HONEST = Behaviour()
-# This process's behaviour (a node started with the variable); tests of one process give a
-# RoundProtocol its own instead (``RoundProtocol.hostile``).
-BEHAVIOUR = parse(os.environ.get(ENV, ""))
+
+
+def from_environ(environ: Mapping[str, str]) -> Behaviour:
+    """The behaviour a test or the attack script set in ``environ`` (``ENV``)."""
+    return parse(environ.get(ENV, ""))

@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p import faults, hostile
 from p2p.codecs import ErrorFeedback, get_codec
 from p2p.commits import CommitLog
 from p2p.compression import CommittedAverage, base_vector, flatten
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
+from p2p.faults import NO_FAULTS, Faults
 from p2p.group import MAX_LANES, Group, RoundFailed, lanes_for_rtt
+from p2p.hostile import HONEST, Behaviour
 from p2p.limits import BoundedDict
 from p2p.quarantine import UNREACHABLE, Quarantine, Refusals
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum, shunned
@@ -89,11 +90,15 @@ class _Waiting:
 class RoundProtocol:
     """``average(tensors, weight, round)`` over the swarm; see the module docstring."""
 
-    def __init__(self, swarm: Swarm, metrics, commits: CommitLog | None = None, *, weight_cap: float = 0.0) -> None:
+    def __init__(self, swarm: Swarm, metrics, commits: CommitLog | None = None, *, weight_cap: float = 0.0,
+                 faults: Faults = NO_FAULTS, hostile: Behaviour = HONEST) -> None:
         """``commits``: this node's chain of commit certificates, which ``certify`` extends (a
         benchmark that never certifies may leave it out). ``weight_cap``: the most tokens one
-        member's round can weigh (0: relative to the others)."""
+        member's round can weigh (0: relative to the others). ``faults`` and ``hostile``: test
+        hooks (p2p/faults.py, p2p/hostile.py; the node's own, from ``node.config.load_injection``),
+        none and honest by default; the training loop reads them here too."""
         self.swarm = swarm
+        self.faults = faults
         self.metrics = metrics
         self.commits = commits if commits is not None else CommitLog(swarm.scope, genesis="")
         # The members' signatures on the rounds this node commits (``certify``).
@@ -110,7 +115,7 @@ class RoundProtocol:
         # This host's shard of every round (its whole pseudo-gradient on a single-rank host).
         self.plane = ShardPlane(me=swarm.peer_id, codec=self.codec,
                                 use_feedback=cfg.error_feedback and self.codec.name != "fp32",
-                                aggregator=cfg.aggregator, weight_cap=weight_cap, hostile=hostile.BEHAVIOUR,
+                                aggregator=cfg.aggregator, weight_cap=weight_cap, hostile=hostile, faults=faults,
                                 dial=self.dial,
                                 metrics=metrics, reject=swarm.reject, offence=self.offence, deadlines=self.deadlines,
                                 request_timeout=cfg.request_timeout)
@@ -241,7 +246,7 @@ class RoundProtocol:
         self.metrics.gather_wait_seconds.observe(gathered - started)
         self.metrics.round_members.set(len(group.members))
         self.swarm.announce(state="averaging")
-        faults.checkpoint("grouped", round + 1, len(group.members))
+        self.faults.checkpoint("grouped", round + 1, len(group.members))
         try:
             await self._allreduce(group)
             # Committed. Known to signing before the group is left: a faster member's signature
@@ -276,7 +281,7 @@ class RoundProtocol:
         self.metrics.allreduce_seconds.observe(seconds)
         self.last = RoundOutcome("committed", "", group.id.hex()[:8], group.members, gathered - started, seconds,
                                  blamed, group.phases(gathered), list(group.owners or []))
-        faults.checkpoint("commit", round + 1, len(group.members))
+        self.faults.checkpoint("commit", round + 1, len(group.members))
         # Donated: over our contribution, which nobody needs now (the vector holds the average
         # from here on: given again, it is a new round's input). Otherwise ``flat`` is the
         # plane's buffer, which the next round fills again: the result is the caller's own.
@@ -769,7 +774,7 @@ class _Behind(Exception):
     pass
 
 
-def _hostile_input(flat: torch.Tensor, b: hostile.Behaviour) -> None:
+def _hostile_input(flat: torch.Tensor, b: Behaviour) -> None:
     """Test-only (p2p/hostile.py): what a member that lies about its pseudo-gradient sends."""
     if b.scale is not None:
         flat.mul_(b.scale)

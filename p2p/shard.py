@@ -26,6 +26,7 @@ from p2p.audit import PartAudit
 from p2p.codecs import ErrorFeedback
 from p2p.compression import owned_bounds
 from p2p.exchange import PartExchange, all_or_fail
+from p2p.faults import NO_FAULTS, Faults
 from p2p.group import LANES, Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,
@@ -169,7 +170,10 @@ class ShardPlane:
     requests of its all-reduce and audit (in and out)."""
 
     def __init__(self, *, me: str, codec, use_feedback: bool, aggregator: str, weight_cap: float, hostile,
-                 dial: Dialer, metrics, reject, offence, deadlines, request_timeout: float) -> None:
+                 dial: Dialer, metrics, reject, offence, deadlines, request_timeout: float,
+                 faults: Faults = NO_FAULTS) -> None:
+        """``hostile`` and ``faults``: test hooks (p2p/hostile.py, p2p/faults.py), honest and none
+        on a real node."""
         self.me = me
         self.codec = codec
         self.use_feedback = use_feedback
@@ -187,7 +191,7 @@ class ShardPlane:
         self.group: Group | None = None
         self._group_set = asyncio.Event()
         self._ended: BoundedDict = BoundedDict(64)  # ids of our recent groups, over now
-        self.exchange = PartExchange(dial.open, metrics, reject, deadlines)
+        self.exchange = PartExchange(dial.open, metrics, reject, deadlines, faults)
         # Every member checks a sampled piece of another's part before it votes (p2p/audit.py).
         self.audits = PartAudit(codec, metrics, dial.call, dial.send, reject, offence, request_timeout)
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from p2p import faults
+from p2p.faults import NO_FAULTS, Faults
 from p2p.config import MIN_STATE_CHUNK_BYTES
 from p2p.commits import CommitCertificate, CommitLog, decode_certs, encode_certs, verify_chain
 from p2p.swarm import Swarm, peer_id_from
@@ -100,8 +100,9 @@ class Snapshot:
 class StateServer:
     """Serves the latest snapshot to peers that ask for it."""
 
-    def __init__(self, swarm: Swarm, metrics, commits: CommitLog) -> None:
+    def __init__(self, swarm: Swarm, metrics, commits: CommitLog, *, faults: Faults = NO_FAULTS) -> None:
         self.swarm = swarm
+        self.faults = faults  # test hooks (p2p/faults.py: ``serve``)
         self.metrics = metrics
         self.commits = commits
         self.snapshot: Snapshot | None = None
@@ -197,7 +198,8 @@ class StateServer:
                 await self.on_meta(requester)
             await serve_meta(snap, reader, writer, self.swarm.config.request_timeout)
         elif op == "range":
-            await serve_range(snap, header, reader, writer, self.metrics, self.swarm.config.request_timeout)
+            await serve_range(snap, header, reader, writer, self.metrics, self.swarm.config.request_timeout,
+                              self.faults)
         else:
             raise WireError("bad_op")
 
@@ -213,7 +215,8 @@ async def serve_meta(snap: Snapshot, reader, writer, timeout: float) -> None:
     await linger(reader, timeout)
 
 
-async def serve_range(snap: Snapshot, header: dict, reader, writer, metrics, timeout: float) -> None:
+async def serve_range(snap: Snapshot, header: dict, reader, writer, metrics, timeout: float,
+                      faults: Faults = NO_FAULTS) -> None:
     offset, length = hfield(header, "offset", int), hfield(header, "length", int)
     if hfield(header, "round", int) != snap.round or hfield(header, "hash", str) != snap.params_hash:
         await write_frame(writer, {"ok": False, "reason": "moved_on"})
@@ -234,8 +237,10 @@ class ShardStateServer:
 
     ALLOW_SECONDS = 600.0  # a joiner's download of one state, with its retries
 
-    def __init__(self, p2p, name: str, streams, reject, metrics, request_timeout: float) -> None:
+    def __init__(self, p2p, name: str, streams, reject, metrics, request_timeout: float, *,
+                 faults: Faults = NO_FAULTS) -> None:
         self.p2p = p2p
+        self.faults = faults  # test hooks (p2p/faults.py: ``serve``)
         self.name = name
         self.streams = streams
         self.reject = reject
@@ -260,7 +265,7 @@ class ShardStateServer:
         elif op == "meta":
             await serve_meta(snap, reader, writer, self.request_timeout)
         elif op == "range":
-            await serve_range(snap, header, reader, writer, self.metrics, self.request_timeout)
+            await serve_range(snap, header, reader, writer, self.metrics, self.request_timeout, self.faults)
         else:
             raise WireError("bad_op")
 

@@ -79,6 +79,21 @@ def test_hostile_behaviours_parse_and_bad_ones_name_the_variable():
             parse(bad)
 
 
+def test_test_hooks_are_read_once_from_the_environment_and_bad_ones_name_the_variable():
+    from node.config import FaultInjection, load_injection
+    from node.errors import ConfigError
+    from p2p.faults import Faults
+
+    assert load_injection({}) == FaultInjection() and not load_injection({}).faults.any
+    hooks = load_injection({"GONKA_TEST_FAULT": "reduce@2:4", "GONKA_TEST_HOLD_FIRST_DOWNLOAD": "3",
+                            "GONKA_TEST_HOSTILE": "abort"})
+    assert hooks.faults == Faults("reduce", 2, 4, 3.0) and hooks.hostile == Behaviour(abort=True)
+    for var, bad in (("GONKA_TEST_FAULT", "explode@2"), ("GONKA_TEST_FAULT", "reduce@x"),
+                     ("GONKA_TEST_HOLD_FIRST_DOWNLOAD", "-1"), ("GONKA_TEST_HOSTILE", "king")):
+        with pytest.raises(ConfigError, match=var):
+            load_injection({var: bad})
+
+
 def test_refusals_stand_for_the_quarantine_period_and_are_told_each_peer_once_a_round():
     r = Refusals(seconds=100, max_claims=2)
     r.told_us("a", "x", now=0.0)
