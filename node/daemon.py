@@ -25,7 +25,7 @@ from node.config import Config, FaultInjection, setting_errors
 from node.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError, report, version
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
-from p2p.swarm import parse_observed
+from p2p.peertable import parse_observed
 from p2p.tcpsettings import TcpSettings
 
 log = logging.getLogger("gonka.node")
@@ -393,7 +393,7 @@ class Node:
             log.warning("cannot append to the round history: %s", e)
 
     def _observed(self, record: dict) -> dict:
-        """What the heartbeat tells of our last round (p2p/swarm.py ``OBSERVED``), for `top` elsewhere."""
+        """What the heartbeat tells of our last round (p2p/peertable.py ``OBSERVED``), for `top` elsewhere."""
         seconds = record.get("allreduce_s") or 0.0
         obs = {"ar": seconds, "gw": self.loop_.rounds.last.gather_seconds,
                "bw": (record["sent_bytes"] + record["received_bytes"]) / seconds if seconds > 0 else 0.0,

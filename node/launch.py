@@ -57,7 +57,7 @@ def launch_host(config: Config, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from p2p.swarm import _dying_with_us
+    from p2p.p2pd import dying_with_us
 
     n = config.host.nproc_per_node
     # The agent's own log lines would repeat each rank's error and a page of context.
@@ -68,7 +68,7 @@ def launch_host(config: Config, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"gonka-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2)
-    rank_cmd = _dying_with_us(sys.executable, "-m", "node.cli", *argv)
+    rank_cmd = dying_with_us(sys.executable, "-m", "node.cli", *argv)
     try:
         elastic_launch(launch, entrypoint=rank_cmd[0])(*rank_cmd[1:])
         return EXIT_OK

@@ -2,7 +2,9 @@
 
 Both run inside the node's own event loop (hivemind's ``DHTNode`` is plain
 asyncio), so the only child process is ``p2pd``, started with
-``PR_SET_PDEATHSIG`` so it dies with the node even after SIGKILL.
+``PR_SET_PDEATHSIG`` so it dies with the node even after SIGKILL (``p2p/p2pd.py``).
+``Swarm`` owns their lifecycle (``start``, ``close``), this peer's heartbeat and the
+reading of the peer table; what one entry holds is ``p2p/peertable.py``'s.
 
 Every peer announces itself under one DHT key per run (``gonka:<run>:peers``),
 one subkey per peer id, refreshed every ``heartbeat_interval`` and expiring
@@ -23,12 +25,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import get_dht_time
@@ -39,181 +38,13 @@ from p2p.config import SwarmConfig
 from p2p.limits import BoundedDict, StreamLimits
 from p2p.identity import generate_identity
 from p2p.membership import Membership
+from p2p.p2pd import GatedP2P, children_die_with_us
+from p2p.peertable import MAX_TABLE_ENTRIES, PeerRecord, parse_peer_record
 from p2p.records import RecordSigner, RunRecordValidator, max_ttl, peer_table_key
 from trainer.files import atomic_write
-from trainer.fingerprint import Fingerprint, parse_parts
+from trainer.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
-
-STATES = ("joining", "training", "ready", "averaging", "stopped")
-# The most peer-table entries one lookup keeps (each signed by its owner; a closed swarm's by
-# admitted peers only).
-MAX_TABLE_ENTRIES = 4096
-_PR_SET_PDEATHSIG = 1
-# Certificate look-ups of callers we do not know yet (closed swarm with an authority).
-
-
-# Runs as the child's first program: a fresh, single-threaded process, where prctl is safe (a
-# ``preexec_fn`` would run Python in a fork of a threaded process, deadlock-prone). It asks for
-# SIGKILL when the node dies, gives up if the node is already gone, leaves the node's process
-# group (a Ctrl-C in the terminal, or torch.distributed.run stopping a rank's group, must reach
-# the node, which stops its children itself after its last words to the swarm; a session
-# leader such as a rank stays where it is), and becomes the program.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, sys\n"
-    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGKILL)})\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)\n"
-    "try:\n"
-    "    os.setpgid(0, 0)\n"
-    "except OSError:\n"
-    "    pass\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def _dying_with_us(program: str, *args: str) -> tuple[str, ...]:
-    """The command line that runs ``program args`` as a child that dies with this process."""
-    return (sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), program, *args)
-
-
-# p2pd's TCP transport dials from its listen port (SO_REUSEPORT) unless told otherwise. Two peers
-# that dial each other at once then send SYNs with the same 4-tuple: TCP merges them into one
-# simultaneous open, both ends start the security handshake as its initiator, and it fails
-# ("noise: message is too short"); the address then sits in libp2p's dial backoff. At LAN
-# round-trip times the window is microseconds; at 200 ms it failed 8 dials of 8. Dialling from
-# an ephemeral port makes two crossing dials two connections, both of which work. The listen
-# port only matters to a dial for TCP hole punching, which this p2pd does not do.
-P2PD_ENVIRONMENT = {"LIBP2P_TCP_REUSEPORT": "false"}
-
-
-@contextlib.contextmanager
-def _children_die_with_us():
-    """hivemind starts p2pd with create_subprocess_exec and offers no hook; add one (which also
-    sets ``P2PD_ENVIRONMENT``)."""
-    original = asyncio.subprocess.create_subprocess_exec
-
-    async def spawn(program, *args, **kwargs):
-        kwargs["env"] = {**(kwargs.get("env") or os.environ), **P2PD_ENVIRONMENT}
-        return await original(*_dying_with_us(str(program), *map(str, args)), **kwargs)
-
-    asyncio.subprocess.create_subprocess_exec = spawn
-    try:
-        yield
-    finally:
-        asyncio.subprocess.create_subprocess_exec = original
-
-
-class _SwarmP2P(P2P):
-    """hivemind's P2P whose DHT RPC handlers first ask ``gate(caller's peer id)``.
-
-    hivemind registers its DHT handlers (``DHTProtocol.rpc_ping/store/find``) inside
-    ``DHTNode.create``; gating them here means an outsider is refused from the first
-    request on, before the handler parses, stores or answers anything."""
-
-    gate: Callable[[str], Awaitable[bool]] | None = None
-
-    async def add_protobuf_handler(self, name, handler, input_protobuf_type, **kwargs) -> None:
-        if name.startswith("DHTProtocol."):
-            handler = self._gated(handler)
-        await super().add_protobuf_handler(name, handler, input_protobuf_type, **kwargs)
-
-    def _gated(self, handler):
-        async def gated(request, context):
-            if self.gate is not None and not await self.gate(context.remote_id.to_base58()):
-                raise PermissionError("not admitted to this swarm")
-            return await handler(request, context)
-
-        return gated
-
-
-@dataclass(slots=True, frozen=True)
-class PeerRecord:
-    """One validated entry of the live peer table."""
-
-    peer_id: str
-    state: str
-    round: int
-    params_hash: str
-    inner_step: int
-    loss: float | None
-    maddrs: tuple[str, ...]
-    round_tokens: int = 0  # tokens trained so far towards its next round
-    fingerprint: str = ""  # digest of what the peer trains (trainer/fingerprint.py)
-    fingerprint_parts: dict | None = None
-    # What the peer says of its last round (``OBSERVED``): shown to operators, never acted on.
-    observed: dict[str, float] = field(default_factory=dict)
-    # Whether other peers can dial it, as its own check found (p2p/reachability.py); None: unknown.
-    # A leader gives parts only to peers that say True (``RoundProtocol._owners``).
-    reachable: bool | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.peer_id,
-            "state": self.state,
-            "round": self.round,
-            "params_hash": self.params_hash,
-            "inner_step": self.inner_step,
-            "loss": self.loss,
-            "round_tokens": self.round_tokens,
-            "multiaddrs": list(self.maddrs),
-            "reachable": self.reachable,
-            **self.observed,
-        }
-
-
-def parse_peer_record(peer_id: Any, value: Any) -> PeerRecord:
-    """Validate a heartbeat entry from the DHT; raise ValueError with a short reason."""
-    if not isinstance(peer_id, str) or not 20 <= len(peer_id) <= 128:
-        raise ValueError("bad_peer_id")
-    if not isinstance(value, dict):
-        raise ValueError("bad_heartbeat")
-    state, rnd, phash = value.get("state"), value.get("round"), value.get("hash")
-    step, loss, maddrs = value.get("step", 0), value.get("loss"), value.get("maddrs", [])
-    rtok = value.get("rtok", 0)
-    fp, fpp = value.get("fp", ""), value.get("fpp")
-    if state not in STATES:
-        raise ValueError("bad_heartbeat_state")
-    if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd < 2**53:
-        raise ValueError("bad_heartbeat_round")
-    if not isinstance(phash, str) or len(phash) > 128:
-        raise ValueError("bad_heartbeat_hash")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError("bad_heartbeat_step")
-    if not isinstance(rtok, int) or isinstance(rtok, bool) or not 0 <= rtok < 2**53:
-        raise ValueError("bad_heartbeat_round_tokens")
-    if loss is not None and not isinstance(loss, (int, float)):
-        raise ValueError("bad_heartbeat_loss")
-    if not isinstance(maddrs, list) or len(maddrs) > 32 or not all(isinstance(a, str) and len(a) < 512 for a in maddrs):
-        raise ValueError("bad_heartbeat_maddrs")
-    if not isinstance(fp, str) or len(fp) > 64:
-        raise ValueError("bad_heartbeat_fingerprint")
-    parts = parse_parts(fpp) if fpp is not None else None
-    if fpp is not None and parts is None:
-        raise ValueError("bad_heartbeat_fingerprint")
-    dial = value.get("dial")
-    if dial is not None and not isinstance(dial, bool):
-        raise ValueError("bad_heartbeat_dial")
-    return PeerRecord(peer_id, state, rnd, phash, step, None if loss is None else float(loss), tuple(maddrs), rtok,
-                      fp, parts, parse_observed(value.get("obs", {})), dial)
-
-
-# Heartbeat field ``obs``: what a peer reports of its last committed round, for `gonka-node top`.
-OBSERVED = {"el": "eval_loss", "ar": "allreduce_s", "bw": "allreduce_bytes_per_s", "gw": "gather_wait_s",
-            "ab": "aborts", "rj": "rejected"}
-
-
-def parse_observed(obs: Any) -> dict[str, float]:
-    """The known, finite, non-negative numbers of a heartbeat's ``obs`` field, by their long names."""
-    if not isinstance(obs, dict) or len(obs) > len(OBSERVED):
-        raise ValueError("bad_heartbeat_observed")
-    out = {}
-    for short, value in obs.items():
-        if short not in OBSERVED or isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not 0 <= value < 2**53:  # NaN fails the comparison too
-            raise ValueError("bad_heartbeat_observed")
-        out[OBSERVED[short]] = float(value)
-    return out
 
 
 class Swarm:
@@ -302,8 +133,8 @@ class Swarm:
     async def _start_p2p(cls, config: SwarmConfig, run_id: str, identity_path: str, on_reject,
                          membership: Membership, *, check_identity: bool) -> "Swarm":
         nat = config.nat_traversal
-        with _children_die_with_us():
-            p2p = await _SwarmP2P.create(
+        with children_die_with_us():
+            p2p = await GatedP2P.create(
                 initial_peers=config.bootstrap or None,
                 host_maddrs=config.listen,
                 announce_maddrs=config.announce or None,
@@ -378,7 +209,7 @@ class Swarm:
 
     @property
     def state(self) -> str:
-        """The state this peer last announced (``STATES``)."""
+        """The state this peer last announced (``peertable.STATES``)."""
         return str(self._me["state"])
 
     def announce(self, **fields: Any) -> None:

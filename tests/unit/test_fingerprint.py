@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from p2p.swarm import parse_peer_record
+from p2p.peertable import parse_peer_record
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.diloco import DiLoCoWorker
 from trainer.fingerprint import PART_NAMES, config_digest, parse_parts, run_fingerprint

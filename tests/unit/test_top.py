@@ -3,7 +3,7 @@
 import pytest
 
 from node.top_cmd import render
-from p2p.swarm import parse_observed
+from p2p.peertable import parse_observed
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from p2p.swarm import PeerRecord, parse_peer_record
+from p2p.peertable import PeerRecord, parse_peer_record
 from p2p.quorum import follow
 from p2p.transfer import Snapshot
 
