@@ -165,8 +165,9 @@ class RankFollower:
             log.info("rank %d: rejected %s %s", self.rank, reason, detail[:120])
 
         self.plane = ShardPlane(me=h["peer"], codec=codec, use_feedback=cfg.error_feedback and codec.name != "fp32",
-                                aggregator=cfg.aggregator, weight_cap=float(h["cap"]), hostile=HONEST, faults=self.faults, dial=dial,
-                                metrics=metrics, reject=reject, offence=lambda peer, reason: None,
+                                aggregator=cfg.aggregator, weight_cap=float(h["cap"]), hostile=HONEST,
+                                faults=self.faults, dial=dial, metrics=metrics, reject=reject,
+                                offence=lambda peer, reason: None,
                                 deadlines=deadlines, request_timeout=cfg.request_timeout)
         streams = StreamLimits(cfg.max_streams_per_peer)
 

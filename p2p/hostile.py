@@ -21,8 +21,10 @@ groups, and the training loop reads it there); a component given none is ``HONES
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Awaitable, Callable, Mapping
 
 ENV = "GONKA_TEST_HOSTILE"
 _FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "fake_states", "flood")
@@ -76,3 +78,26 @@ HONEST = Behaviour()
 def from_environ(environ: Mapping[str, str]) -> Behaviour:
     """The behaviour a test or the attack script set in ``environ`` (``ENV``)."""
     return parse(environ.get(ENV, ""))
+
+
+# ---- what a lying node does (called where the node's own code would act honestly) ------------
+
+def corrupt(flat, b: Behaviour) -> None:
+    """The pseudo-gradient a member that lies about it sends (``scale``, ``fill``), in place. Tensor work."""
+    if b.scale is not None:
+        flat.mul_(b.scale)
+    if b.fill is not None:
+        flat.fill_(b.fill)
+
+
+async def flood(peers: Callable[[], Awaitable[dict]], open_stream: Callable[[str, str], Awaitable]) -> None:
+    """``flood``: open streams to every peer (``peers()``, read every second) and never write a
+    byte on them, until cancelled."""
+    held = []
+    while True:
+        for peer in list(await peers()):
+            for _ in range(16):
+                with contextlib.suppress(Exception):
+                    held.append(await open_stream(peer, "part"))
+        del held[:-4096]
+        await asyncio.sleep(1.0)

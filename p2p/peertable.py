@@ -37,7 +37,7 @@ class PeerRecord:
     # What the peer says of its last round (``OBSERVED``): shown to operators, never acted on.
     observed: dict[str, float] = field(default_factory=dict)
     # Whether other peers can dial it, as its own check found (p2p/reachability.py); None: unknown.
-    # A leader gives parts only to peers that say True (``RoundProtocol._owners``).
+    # A leader gives parts only to peers that say True (``gathering.owners``).
     reachable: bool | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ STRIKES = 3
 # fails for reasons neither end controls (a lost SYN, a NAT, a route), and before p2pd dialled
 # from ephemeral ports two peers dialling each other at once failed every time at 100-200 ms
 # RTT: counted as aborts, that quarantined honest peers for 5 minutes. Such an abort leaves the
-# aborter and the member it named out of the next attempt instead (``RoundProtocol._judge``):
+# aborter and the member it named out of the next attempt instead (``Conduct.judge``, p2p/conduct.py):
 # a peer that claims it falsely sits the retry out with its target, and cannot stall rounds.
 UNREACHABLE = "unreachable"
 

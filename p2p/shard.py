@@ -18,14 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from typing import Callable
 
 import torch
 
 from p2p.audit import PartAudit
 from p2p.codecs import ErrorFeedback
-from p2p.compression import owned_bounds
-from p2p.exchange import PartExchange, all_or_fail
+from p2p.compression import base_vector, flatten, owned_bounds
+from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.faults import NO_FAULTS, Faults
 from p2p.group import LANES, Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
@@ -188,6 +189,7 @@ class ShardPlane:
         # What the codec dropped from our contributions, added back next round (lossy codecs only).
         self.feedback: ErrorFeedback | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._donated = None  # weakref to the last donated vector, its residual added (``round_input``)
         self.group: Group | None = None
         self._group_set = asyncio.Event()
         self._ended: BoundedDict = BoundedDict(64)  # ids of our recent groups, over now
@@ -219,6 +221,37 @@ class ShardPlane:
         if buf is None or buf.numel() != numel:
             buf = self._buffers[name] = torch.empty(numel, dtype=torch.float32)
         return buf
+
+    async def round_input(self, tensors: list[torch.Tensor], donate: bool) -> tuple[torch.Tensor, bool, bool]:
+        """The vector a round of ``tensors`` reduces, error feedback's residual added once, and
+        whether it was ``donated`` and is ``fresh`` (not given to an attempt before):
+        ``(flat, donated, fresh)``. Donated (``RoundProtocol.average``): the tensors' own vector
+        (``compression.base_vector``), the residual folded into it the first time only, which
+        then is the residual's vector (``fold``); else a copy into the ``flat`` buffer, the
+        residual added on the way, for every attempt. Copies and folds run off the event loop."""
+        numel = sum(t.numel() for t in tensors)
+        feedback = self.ensure_feedback(numel)
+        residual = feedback.residual if feedback is not None else None
+        flat = base_vector(tensors) if donate else None
+        if flat is None:
+            # A copy of ~4 bytes per parameter, the residual added on the way: not on the event loop.
+            return await off_loop(flatten, tensors, self.buffer("flat", numel), residual), False, True
+        fresh = self._donated is None or self._donated() is not flat
+        if fresh:
+            # Noted first: a cancelled wait does not stop the thread from adding it.
+            self._donated = weakref.ref(flat)
+            if residual is not None:
+                # The residual's vector is ``flat`` from here on; the old one is given back.
+                try:
+                    await off_loop(self.fold, flat)
+                except ValueError:  # a vector a round holds already, given again: nothing was added
+                    self._donated = None
+                    raise
+        return flat, True, fresh
+
+    def input_consumed(self) -> None:
+        """The round of the last input committed: a vector given again is a new round's input."""
+        self._donated = None
 
     def ensure_feedback(self, numel: int) -> ErrorFeedback | None:
         """The error-feedback residual for vectors of ``numel`` values (None if not used)."""
