@@ -242,7 +242,7 @@ class Node:
 
         await self.compute.start()
         # A member's weight counts at most twice the round-token budget, or (no budget) twice the
-        # members' median weight (p2p/group.py capped_weights).
+        # members' median weight (p2p/aggregate.py capped_weights).
         weight_cap = 2.0 * cfg.inner.round_tokens
         self.worker = await self._start_worker(corpus, device, checkpoint)
         # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.

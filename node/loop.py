@@ -13,7 +13,7 @@ import threading
 import time
 
 from node.status import Status
-from p2p.group import counted_tokens
+from p2p.aggregate import counted_tokens
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm

@@ -1,4 +1,5 @@
-"""How the owner of a part combines the members' contributions to one piece (``swarm.aggregator``).
+"""How the owner of a part combines the members' contributions to one piece (``swarm.aggregator``),
+and how much each member's weight may count (``capped_weights``).
 
 Every member of a round applies what the owner computes, so no single member may be able to drag
 it far (docs/design.md, trust model). Each aggregator is a pure function over one piece: the members'
@@ -38,6 +39,7 @@ No overflow: sums and differences of fp32 values near 3.4e38 overflow, so a piec
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from typing import Callable, Sequence
 
@@ -240,6 +242,31 @@ AGGREGATE: dict[str, Callable[[Sequence[float], Sequence[torch.Tensor]], torch.T
     "clip": clip,
     "centered_clip": centered_clip,
 }
+
+
+# ---- how much each member counts ------------------------------------------------------------
+
+# With no fixed cap on a member's weight (no round-token budget), a weight counts at most this
+# many times the median weight of the group's members: one member among five that claims
+# any number of tokens carries at most 2/6 of the weight.
+RELATIVE_WEIGHT_CAP = 2.0
+
+
+def capped_weights(weights: list[float], cap: float) -> list[float]:
+    """Members' weights as the average counts them: at most ``cap`` (what a round allows), or,
+    with ``cap`` 0, at most RELATIVE_WEIGHT_CAP times their median. One member cannot buy
+    influence by claiming tokens it could not have trained on."""
+    limit = cap if cap > 0 else RELATIVE_WEIGHT_CAP * statistics.median_low(weights)
+    return [min(w, limit) for w in weights]
+
+
+def counted_tokens(others: list[int], mine: int) -> int:
+    """The other peers' announced progress towards a round-token budget, as this peer counts it:
+    each claim at most RELATIVE_WEIGHT_CAP times the median claim (ours included), so one peer
+    announcing a huge number cannot end everybody's round at once."""
+    if not others:
+        return 0
+    return int(sum(capped_weights([float(c) for c in others] + [float(mine)], 0.0)[:-1]))
 
 
 def aggregate(name: str, weights: Sequence[float], xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -76,7 +76,7 @@ class PartExchange:
         for k in group.lane_pieces(j, lane):
             expected = group.piece_bytes(j, k)
             try:
-                # The owner's header declares every member's input (p2p/group.py, 24 bytes each).
+                # The owner's header declares every member's input (p2p/digests.py, 24 bytes each).
                 header, payload = await self._read_payload(reader, expected, deadline,
                                                            SMALL_HEADER_BYTES + 32 * len(group.members))
             except WireError as e:

@@ -1,19 +1,15 @@
 """One averaging group: the agreed members of a round and the state of its all-reduce.
 
 The all-reduce is a butterfly: the flat pseudo-gradient is cut into one
-contiguous part per member; member ``j`` receives part ``j`` from everyone
-(encoded with the swarm's codec), averages it (weighted sum in member order,
-so the result does not depend on arrival order), encodes the average once and
-sends the same bytes back to all. Every member decodes those bytes, so all end
-with a bit-identical average. Before anyone applies it, members exchange a
+contiguous part per member that owns one; owner ``j`` receives part ``j`` from
+everyone (encoded with the swarm's codec), averages it (weighted sum in member
+order, so the result does not depend on arrival order), encodes the average once
+and sends the same bytes back to all. Every member decodes those bytes, so all
+end with a bit-identical average. Before anyone applies it, members exchange a
 digest of the whole averaged vector (``votes``): a round commits only if every
 member reports the same digest. The digest is built piece by piece as the
-averaged pieces are placed (a hash of each piece's encoded bytes, then one
-keyed hash over those in vector order), so hashing overlaps the transfer
-instead of following it. Hashing the bytes rather than the decoded values is
-as strong (decoding is a pure function of the bytes, so equal bytes are equal
-values, and a member that got other bytes votes otherwise) and, for a 4-bit
-codec, hashes 8x less.
+averaged pieces are placed (p2p/digests.py), so hashing overlaps the transfer
+instead of following it.
 
 Parts travel as pieces (``compression.piece_bounds``, whole codec blocks), so
 the two halves of the butterfly overlap: the owner averages piece ``k`` as
@@ -22,28 +18,29 @@ pieces are still arriving. Piece boundaries are fixed by the group alone
 (vector size, members, codec), never by arrival, so the bytes are the same.
 
 The tensor work (``encode_piece``, ``check_piece``, ``reduce_piece``,
-``place_piece``) is pure and touches disjoint slices, so the round protocol
-runs it in worker threads (torch releases the GIL) while the event loop keeps
-the streams moving; all bookkeeping stays on the event loop.
+``place_piece``; our own vector's side in p2p/contribution.py) is pure and
+touches disjoint slices, so the round protocol runs it in worker threads (torch
+releases the GIL) while the event loop keeps the streams moving; all
+bookkeeping stays on the event loop. ``p2p/votes.py`` carries the vote and the
+aborts between members; this class holds what they decide on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import os
-import statistics
-import struct
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from p2p.hostile import HONEST, Behaviour
+from p2p.aggregate import capped_weights
 from p2p.codecs import Codec, CodecError
 from p2p.compression import CommittedAverage, average_part, owned_bounds, piece_bounds
+from p2p.contribution import Contribution
+from p2p.digests import DECLARED, digest, input_hash, parse_declaration, piece_digest
+from p2p.hostile import HONEST, Behaviour
 
 # Streams ("lanes") a member opens to each other member for one part: lane l carries the
 # pieces k with k % lanes == l, both ways. Measured on the 4-host 100 Mbit/s testbed, fp32,
@@ -74,24 +71,6 @@ def lanes_for_rtt(rtt: float | None) -> int:
 # sync for no clear gain on two shared cores.
 PIECE_ELEMS = 1 << 18
 
-# With no fixed cap on a member's weight (no round-token budget), a weight counts at most this
-# many times the median weight of the group's members: one member among five that claims
-# any number of tokens carries at most 2/6 of the weight.
-RELATIVE_WEIGHT_CAP = 2.0
-
-# One entry of an owner's declaration of the inputs of an averaged piece: the member's
-# weight as received (float64) and the first 16 bytes of the SHA-256 of its encoded piece.
-_DECLARED = struct.Struct("!d16s")
-
-
-def counted_tokens(others: list[int], mine: int) -> int:
-    """The other peers' announced progress towards a round-token budget, as this peer counts it:
-    each claim at most RELATIVE_WEIGHT_CAP times the median claim (ours included), so one peer
-    announcing a huge number cannot end everybody's round at once."""
-    if not others:
-        return 0
-    return int(sum(capped_weights([float(c) for c in others] + [float(mine)], 0.0)[:-1]))
-
 
 class RoundFailed(Exception):
     """The group cannot commit; ``reason`` is a metric label, ``peer`` the member it failed on
@@ -101,49 +80,6 @@ class RoundFailed(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.peer = peer
-
-
-def piece_digest(data: bytes | bytearray | memoryview, declared: bytes = b"") -> bytes:
-    """Hash of one averaged piece as its owner sent it (the encoded bytes), and of the owner's
-    declaration of its inputs (``Group.declaration``), so every member votes on both.
-
-    SHA-256: with the CPU's SHA instructions it hashes ~1.3 GB/s here, twice blake2b."""
-    h = hashlib.sha256(data)
-    if declared:
-        h.update(declared)
-    return h.digest()
-
-
-def input_hash(payload: bytes | bytearray | memoryview) -> bytes:
-    """What a declaration records of one member's encoded piece."""
-    return hashlib.sha256(payload).digest()[:16]
-
-
-_local = threading.local()
-
-
-def _decode_scratch(n: int) -> torch.Tensor:
-    """A vector of ``n`` values for this thread's decodes that are used at once (reused)."""
-    buf = getattr(_local, "decoded", None)
-    if buf is None or buf.numel() < n:
-        buf = _local.decoded = torch.empty(max(n, PIECE_ELEMS), dtype=torch.float32)
-    return buf[:n]
-
-
-def capped_weights(weights: list[float], cap: float) -> list[float]:
-    """Members' weights as the average counts them: at most ``cap`` (what a round allows), or,
-    with ``cap`` 0, at most RELATIVE_WEIGHT_CAP times their median. One member cannot buy
-    influence by claiming tokens it could not have trained on."""
-    limit = cap if cap > 0 else RELATIVE_WEIGHT_CAP * statistics.median_low(weights)
-    return [min(w, limit) for w in weights]
-
-
-def digest(piece_digests: list[bytes], group_id: bytes) -> bytes:
-    """What members vote on: the averaged vector, as the hashes of its pieces in order, bound to this group."""
-    h = hashlib.blake2b(digest_size=16, key=group_id[:64])
-    for d in piece_digests:
-        h.update(d)
-    return h.digest()
 
 
 @dataclass(eq=False)
@@ -191,7 +127,6 @@ class Group:
     def __post_init__(self) -> None:
         assert self.me in self.members and self.members == sorted(self.members)
         assert 1 <= self.lanes_per_part <= MAX_LANES
-        assert self.flat.dtype == torch.float32 and self.flat.dim() == 1 and self.flat.is_contiguous()
         self.index = self.members.index(self.me)
         owners = set(self.members if self.owners is None else self.owners)
         assert self.owners is None or (self.owners == sorted(owners) and owners <= set(self.members)
@@ -200,22 +135,9 @@ class Group:
         self.bounds = owned_bounds(self.flat.numel(), self.owns)
         # pieces[j][k]: the elements of piece k of part j, the same on every member.
         self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
-        # What the receivers decode of our contribution to our own part, filled as its pieces are
-        # encoded: we average our piece as everyone else would decode it.
-        own_start, own_end = self.bounds[self.index]
-        if self.codec.exact:
-            self.sent, self._sent_base = self.flat, 0
-            assert self.residual is None, "an exact codec drops nothing to feed back"
-        elif self.in_place:
-            self.sent, self._sent_base = None, own_start
-        else:
-            if self.sent is None:
-                self.sent = torch.empty(own_end - own_start, dtype=torch.float32)
-            self._sent_base = own_start
-            assert self.sent.shape == (own_end - own_start,), "sent holds our own part"
-        for buf in (self.sent, self.residual):
-            assert buf is None or (buf.dim() == 1 and buf.dtype == torch.float32 and buf.is_contiguous())
-        assert self.residual is None or self.residual.shape == self.flat.shape
+        # Our vector and what encoding it leaves (p2p/contribution.py); ``sent`` is the buffer it uses.
+        self.mine = Contribution(self.flat, self.codec, self.residual, self.sent, self.bounds[self.index])
+        self.sent = self.mine.sent
         self.weights: dict[int, float] = {}
         self._lanes_in: set[tuple[int, int]] = set()  # (sender, lane) streams that reached us
         own = len(self.pieces[self.index])
@@ -241,14 +163,8 @@ class Group:
 
     @property
     def in_place(self) -> bool:
-        """Error feedback's vector is ``flat`` itself, holding our compensated contribution
-        (``ShardPlane.fold``); the round leaves it as it is, and only once it commits is the next
-        residual written over it (``write_residual``). Nothing of what we send is kept: the codec
-        is a pure function of the values, so an auditor's request and our own part's input are
-        encoded again from ``flat``, and a failed attempt has nothing to give back. No vector of
-        the pseudo-gradient, of what our part's receivers decode, nor of the average exists beside
-        it, nor our payloads (a byte per value for int8)."""
-        return self.residual is not None and self.residual is self.flat
+        """Error feedback's vector is ``flat`` itself (``Contribution.in_place``)."""
+        return self.mine.in_place
 
     @property
     def claimed_weight(self) -> float:
@@ -311,64 +227,32 @@ class Group:
     # ---- tensor work: pure, on disjoint slices, safe in a worker thread -----------
 
     def encode_piece(self, index: int, k: int) -> bytes:
-        """Our contribution to piece ``k`` of part ``index``, encoded; records what its receivers decode
-        of our own part, and what error feedback keeps of every part."""
+        """Our contribution to piece ``k`` of part ``index``, encoded (``Contribution.encode``)."""
         start, end = self.pieces[index][k]
-        values = self.flat[start:end]
-        if self.in_place:
-            return self._encode_in_place(index, k, values)
-        if index == self.index and not self.codec.exact:
-            decoded = self.sent_values(start, end)
-        else:  # decoded straight into the residual, then turned into it while still in cache
-            decoded = None if self.residual is None else self.residual[start:end]
         try:
-            payload = self.codec.encode(values, decoded)
+            payload = self.mine.encode(start, end, own=index == self.index)
         except CodecError as e:  # our own pseudo-gradient holds NaN or Inf: nobody may average it
             raise RoundFailed(e.reason) from None
-        if self.residual is not None:
-            torch.sub(values, decoded, out=self.residual[start:end])
         if index == self.index:  # our own entry of our own declaration (the others' we check if audited)
             self._input_hashes[k][self.index] = input_hash(payload)
         return payload
 
-    def _encode_in_place(self, index: int, k: int, values: torch.Tensor) -> bytes:
-        try:
-            payload = self.codec.encode(values)  # nothing decoded: only a commit writes the residual
-        except CodecError as e:
-            raise RoundFailed(e.reason) from None
-        if index == self.index:
-            self._input_hashes[k][self.index] = input_hash(payload)
-        return payload
-
     def own_input(self, k: int, payload: bytes | None = None) -> torch.Tensor | bytes:
-        """Our input to the average of piece ``k`` of our own part (encoded already): what every
-        receiver decodes of our contribution, as values or, in place, as its payload (``payload``,
-        what ``encode_piece`` just gave for it, or encoded again as ``contribution`` does)."""
-        if self.in_place:
-            return payload if payload is not None else self.contribution(self.index, k)
+        """Our input to the average of piece ``k`` of our own part (``Contribution.own_input``)."""
         start, end = self.pieces[self.index][k]
-        return self.sent_values(start, end)
+        return self.mine.own_input(start, end, payload)
 
     def write_residual(self) -> None:
-        """In place, once the round committed: the next residual over ``flat``, piece by piece what
-        the codec dropped of what we sent (each piece encoded again, the bytes we sent)."""
-        assert self.in_place
-        for part in self.pieces:
-            for start, end in part:
-                values = self.flat[start:end]
-                decoded = _decode_scratch(end - start)
-                self.codec.encode(values, decoded)
-                values.sub_(decoded)
+        """In place, once the round committed: the next residual over ``flat`` (``Contribution.write_residual``)."""
+        self.mine.write_residual(self.pieces)
 
     def sent_values(self, start: int, end: int) -> torch.Tensor:
-        """What the receivers decode of our contribution to [start, end) of our own part."""
-        return self.sent[start - self._sent_base : end - self._sent_base]
+        return self.mine.sent_values(start, end)
 
     def contribution(self, index: int, k: int) -> bytes:
-        """Our encoded piece ``k`` of part ``index`` again, for an auditor: the codec is a pure
-        function of the values, so these are the bytes the owner got (nothing else is written)."""
+        """Our encoded piece ``k`` of part ``index`` again, for an auditor (``Contribution.again``)."""
         start, end = self.pieces[index][k]
-        return self.codec.encode(self.flat[start:end])
+        return self.mine.again(start, end)
 
     def check_piece(self, k: int, data: bytes, sender: int | None = None) -> bytes:
         """A peer's contribution to piece ``k`` of our part, refused here if it would not decode
@@ -388,15 +272,15 @@ class Group:
         """What the owner declares of piece ``k``'s inputs: every member's weight and input hash, in
         member order. It travels with the averaged piece and is part of the vote."""
         hashes = self._input_hashes[k]
-        return b"".join(_DECLARED.pack(self.weights[i], hashes[i]) for i in range(len(self.members)))
+        return b"".join(DECLARED.pack(self.weights[i], hashes[i]) for i in range(len(self.members)))
 
     def check_declaration(self, index: int, k: int, declared: bytes) -> None:
         """A member's check of an owner's declaration as it arrives: well formed, our own weight.
         Our own input's hash in it matters only to an audit of the piece: checked then
         (``check_own_input``), not hashed for every piece we send."""
-        if len(declared) != _DECLARED.size * len(self.members):
+        if len(declared) != DECLARED.size * len(self.members):
             raise RoundFailed("owner_misreported", "declaration of the wrong size")
-        weight, _ = _DECLARED.unpack_from(declared, _DECLARED.size * self.index)
+        weight, _ = DECLARED.unpack_from(declared, DECLARED.size * self.index)
         if weight != self.claimed_weight:
             raise RoundFailed("owner_misreported", f"our weight for piece {k} of part {index}")
 
@@ -406,13 +290,11 @@ class Group:
         it. Otherwise the owner lied about it, and the audit would blame us."""
         declared = self.declared[index][k]
         assert declared is not None, "the piece's declaration is placed before it is audited"
-        _, hashed = _DECLARED.unpack_from(declared, _DECLARED.size * self.index)
+        _, hashed = DECLARED.unpack_from(declared, DECLARED.size * self.index)
         if hashed != input_hash(payload):
             raise RoundFailed("owner_misreported", f"our input to piece {k} of part {index}")
 
-    @staticmethod
-    def parse_declaration(declared: bytes) -> list[tuple[float, bytes]]:
-        return [_DECLARED.unpack_from(declared, o) for o in range(0, len(declared), _DECLARED.size)]
+    parse_declaration = staticmethod(parse_declaration)
 
     def reduce_piece(self, k: int) -> bytes:
         """Weighted mean of piece ``k`` of our part in member order, encoded once; placed in our result

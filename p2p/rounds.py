@@ -448,9 +448,6 @@ class RoundProtocol:
     async def _open(self, peer: str, name: str):
         return await self.dial.open(peer, name)
 
-    async def _send(self, peer: str, name: str, header: dict, payload: bytes) -> None:
-        await self.dial.send(peer, name, header, payload)
-
     async def _call(self, peer: str, name: str, header: dict, timeout: float | None = None, max_payload: int = 0):
         return await self.dial.call(peer, name, header, timeout, max_payload)
 

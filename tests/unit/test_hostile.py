@@ -14,7 +14,8 @@ import torch
 
 from p2p import audit
 from p2p.compression import part_bounds
-from p2p.group import _DECLARED, Group
+from p2p.digests import DECLARED as _DECLARED
+from p2p.group import Group
 from p2p.hostile import Behaviour
 from p2p.wire import write_frame
 from tests.unit.test_rounds import rejected, start_peers, stop_peers

@@ -68,7 +68,7 @@ def test_a_ready_hint_counts_as_live_before_the_table_shows_it():
 
 
 def test_one_peers_huge_round_token_claim_cannot_end_everybodys_round():
-    from p2p.group import counted_tokens
+    from p2p.aggregate import counted_tokens
 
     assert counted_tokens([100, 120, 90], mine=110) == 310  # honest claims count in full
     assert counted_tokens([100, 2**53 - 1, 90], mine=110) == 100 + 2 * 100 + 90  # the liar: 2x the median
