@@ -148,8 +148,8 @@ class RankFollower:
         from p2p._multiaddr import Multiaddr
         from p2p.codecs import get_codec
         from p2p.deadline import DeadlinePolicy
-        from p2p.limits import StreamLimits
         from p2p.hostile import HONEST
+        from p2p.limits import StreamLimits
         from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, guarded, shard_names
         from p2p.transfer import ShardStateServer
 
