@@ -5,10 +5,10 @@
 of an attempt (``judge``: whom it blames, who started the aborts), a flood of streams
 (``flooded_by``), a state that showed no certificate chain (``unverified``). It asks back
 whom to group with (``grouping``: neither suspected, quarantined nor shunned) and whose
-word on a state counts (``not_vouching``). A peer this node quarantines hears nothing;
-every other peer is told once a round that we refuse its groups (``tell_refused``), and
-what peers tell us of the leaders they refuse (``told_us``) makes a leader *shunned*
-once enough of them do (``quorum.shunned``).
+word on a state counts (``not_vouching``). Once this node quarantines a peer it tells the
+others, each once a round, that it refuses that peer's groups (``tell_refused``); what
+peers tell us of the leaders they refuse (``told_us``) makes a leader *shunned* once
+enough of them do (``quorum.shunned``).
 
 *Suspects* are peers left out of our next attempts for a few seconds without blame (one
 that did not answer a ``begin``, a leader that never started its round, a member we could
