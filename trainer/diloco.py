@@ -1,23 +1,23 @@
-"""One DiLoCo worker and the round every peer runs, in the swarm or in the simulator.
+"""One DiLoCo worker: the state a peer holds and the steps it takes.
 
 The worker holds the swarm-wide state (global parameters θ and outer momentum,
 fp32 on CPU, bit-identical on every peer) next to its local working copy on the
-accelerator with its own AdamW state, which is never averaged. ``run_round`` is
-the whole algorithm: inner steps, pseudo-gradient, average, outer step.
+accelerator with its own AdamW state, which is never averaged. Its operations
+(inner steps, pseudo-gradient, outer step, overlapped starts and landings) are
+blocking calls; the round that strings them together, in the swarm and in the
+simulator alike, is ``trainer.round.PeerRounds``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
 import torch
 
-from trainer.averaging import Averager
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
@@ -518,72 +518,6 @@ class DiLoCoWorker:
         self._settled.set()  # a loaded state has no round in flight
         self.round = d["round"]
         self.inner_step = d["inner_step"]
-
-
-async def run_round(
-    worker: DiLoCoWorker,
-    averager: Averager,
-    steps: int,
-    *,
-    run_blocking: Callable[..., Awaitable] | None = None,
-) -> tuple[InnerStats, bool]:
-    """One DiLoCo round; returns the inner stats and whether the round committed."""
-    if run_blocking is None:
-        stats = worker.inner_steps(steps)
-    else:
-        stats = await run_blocking(worker.inner_steps, steps)
-    delta = worker.pseudo_gradient()
-    avg = await averager.average(delta, weight=float(stats.tokens), round=worker.round)
-    if avg is None:
-        worker.reset_local()
-        return stats, False
-    worker.apply_outer(avg)
-    return stats, True
-
-
-async def run_round_overlapped(
-    worker: DiLoCoWorker,
-    averager: Averager,
-    steps: int,
-    pending: asyncio.Future | None,
-    *,
-    land_after: int | None = None,
-) -> tuple[InnerStats, bool | None, asyncio.Future | None]:
-    """One overlapped DiLoCo round (``outer.overlap`` delayed or eager).
-
-    Inner steps run while the previous round's average is still travelling
-    (``pending``); it lands after ``land_after`` of the steps (default: after all of
-    them), is applied, and the local copy moves with θ (``apply_outer``). The next
-    round starts before this round's average is known. Returns the inner stats,
-    whether the previous round committed (None if there was none), and the new
-    pending average. A member whose previous round failed launches nothing: it must
-    re-sync, then train from θ.
-    """
-    first = steps if pending is None or land_after is None else max(0, min(land_after, steps))
-    stats = worker.inner_steps(first)
-    committed = None
-    if pending is not None:
-        avg = await pending
-        committed = avg is not None
-        if avg is None:
-            return stats, False, None
-        worker.apply_outer(avg, reset_local=False)
-    stats = stats + worker.inner_steps(steps - first)
-    delta = worker.pseudo_gradient()
-    worker.start_overlapped(delta)
-    worker.settle()  # here land_after says when an average lands; outer.land_step is the node's
-    task = asyncio.ensure_future(averager.average(delta, weight=float(stats.tokens), round=worker.round))
-    return stats, committed, task
-
-
-async def drain(worker: DiLoCoWorker, pending: asyncio.Future | None) -> bool | None:
-    """Apply the last overlapped round's average, if any; the local copy restarts from θ."""
-    if pending is None:
-        return None
-    avg = await pending
-    if avg is not None:
-        worker.apply_outer(avg)
-    return avg is not None
 
 
 def params_digest(params) -> str:
