@@ -267,6 +267,16 @@ class NodeMetrics:
         if thread is not None:
             thread.join(timeout=5)
 
+    def counted(self, name: str, by: str | None = None) -> float | dict[str, float]:
+        """A counter's total over its labels, or (``by``) its value per label value."""
+        per: dict[str, float] = {}
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name == name:
+                    key = sample.labels.get(by, "") if by else ""
+                    per[key] = per.get(key, 0.0) + sample.value
+        return per if by else sum(per.values())
+
     def render(self) -> bytes:
         """The exposition text a scrape would get."""
         return generate_latest(self.registry)
