@@ -198,11 +198,11 @@ class Node:
         from node.control import ControlServer
         from node.loop import TrainingLoop
         from node.metrics import NodeMetrics
-        from p2p.identity import load_or_create_identity
         from p2p.commits import CommitLog
+        from p2p.identity import load_or_create_identity
         from p2p.rounds import RoundProtocol
-        from p2p.swarm import Swarm
         from p2p.stateserver import StateServer
+        from p2p.swarm import Swarm
         cfg = self.config
         tune_malloc()
         # The trainer's thread gets the intra-op threads; every other thread one (node/compute.py).
