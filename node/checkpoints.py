@@ -58,6 +58,15 @@ class NodeCheckpoints:
             raise UsageError(f"node.checkpoint_dir: holds a checkpoint of another run: "
                              f"{fingerprint.difference(checkpoint['fingerprint'])}")
 
+    @staticmethod
+    def load_worker(worker, checkpoint: dict) -> None:
+        """The worker's state from ``checkpoint`` into ``worker`` (trainer/diloco.py); what does not
+        fit is the user's node.checkpoint_dir: ValueError naming it."""
+        try:
+            worker.load_state_dict(checkpoint["worker"])
+        except ValueError as e:
+            raise ValueError(f"node.checkpoint_dir: {e}") from None
+
     def restore(self, checkpoint: dict, loop, *, worker_loaded: bool = False) -> None:
         """Put ``checkpoint`` into the training loop (node/loop.py) and its round protocol: the
         worker's state (unless ``worker_loaded``: a multi-rank host's ranks load theirs together

@@ -299,7 +299,7 @@ class Node:
         from trainer.parallel import init_ranks
 
         self.ranks = HostRanks(os.environ[SOCKET_ENV], cfg.host.nproc_per_node, on_lost=self._rank_lost,
-                               on_counts=self._rank_counts)
+                               on_counts=self.metrics.add_rank_counts)
         await self.ranks.start(timeout=RANKS_CONNECT_SECONDS)
         # Every rank builds its shard at once (the process group forms as they join it).
         setup = asyncio.ensure_future(self.ranks.request("setup", peer=self.swarm.peer_id, device=device))
@@ -309,24 +309,12 @@ class Node:
             worker = DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
                                   shard_key=self.swarm.peer_id, seed=cfg.node.seed, ranks=ranks)
             if checkpoint is not None:  # (init_hash stays θ as built: the run's fingerprint)
-                try:
-                    worker.load_state_dict(checkpoint["worker"])
-                except ValueError as e:
-                    raise ValueError(f"node.checkpoint_dir: {e}") from None
+                NodeCheckpoints.load_worker(worker, checkpoint)
             return worker
 
         local = await self.compute(build)
         replies = await setup
         return HostWorker(local, self.ranks, [r["hash"] for r in replies], [r["init_hash"] for r in replies])
-
-    def _rank_counts(self, counts: dict) -> None:
-        """What another rank's shard plane counted: this host's metrics cover every rank."""
-        m = self.metrics
-        m.sent_bytes.inc(max(0.0, float(counts.get("sent", 0.0))))
-        m.received_bytes.inc(max(0.0, float(counts.get("received", 0.0))))
-        m.state_served.inc(max(0.0, float(counts.get("served", 0.0))))
-        for reason, n in dict(counts.get("rejected", {})).items():
-            m.rejected_messages.labels(reason=str(reason)[:40]).inc(max(0, int(n)))
 
     def _rank_lost(self, why: str) -> None:
         """Another rank of this host died: the round in flight fails on its own (HostShards);
