@@ -5,6 +5,11 @@ control socket, swarm (p2pd + DHT), round protocol, state server, training
 loop. Stop order is the reverse, after a final checkpoint; cleanup collects
 errors instead of stopping at the first. SIGINT/SIGTERM abandon the current
 inner step or round and stop cleanly with exit code 0.
+
+``Node`` owns the order; each piece it starts is its own class: the
+checkpoints (node/checkpoints.py), the control socket's answers
+(node/control_api.py), the round history (node/history.py), the training
+loop (node/loop.py).
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import threading
@@ -20,12 +24,13 @@ import time
 
 import torch
 
-from node import history
+from node.checkpoints import NodeCheckpoints
 from node.config import Config, FaultInjection, setting_errors
+from node.control_api import ControlAPI
 from node.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError, report, version
+from node.history import RoundRecorder
 from node.loop import RunMismatch
 from node.status import Status, write_status_file
-from p2p.peertable import parse_observed
 from p2p.tcpsettings import TcpSettings
 
 log = logging.getLogger("gonka.node")
@@ -62,21 +67,25 @@ def resolve_device(name: str) -> str:
 
 
 class Node:
+    """One node's lifecycle: starts its components in order, runs the training loop, stops them
+    in reverse order (see the module docstring)."""
+
     def __init__(self, config: Config, injection: FaultInjection | None = None) -> None:
         self.config = config
         self.injection = injection or FaultInjection()  # test hooks (p2p/faults.py, p2p/hostile.py)
         self.status = Status(run_id=config.node.run_id, version=version())
+        self.checkpoints = NodeCheckpoints(config.node.checkpoint_dir, config.node.run_id,
+                                           config.host.nproc_per_node)
         self.metrics = None
+        self.history = None  # the round history (node/history.py), once the metrics exist
         self.control = None
         self.swarm = None
         self.loop_ = None
-        self._bytes_at_commit = (0.0, 0.0)  # sent and received byte counters at the last commit
         self.worker = None
         self._stop_early = False  # a signal arrived before the training loop existed
         self.corpus = None
         self.compute = None
         self.ranks = None  # rank 0 of a multi-rank host: the link to the others (node/ranks.py)
-        self._checkpoint_seq = 0  # a multi-rank host's checkpoints are numbered (trainer/checkpoint.py)
         # A problem found while training (e.g. a corrupt shard): the node stops with exit code 1.
         self._failure: str | None = None
 
@@ -190,11 +199,11 @@ class Node:
         from node.control import ControlServer
         from node.loop import TrainingLoop
         from node.metrics import NodeMetrics
-        from p2p.identity import load_or_create_identity
         from p2p.commits import CommitLog
+        from p2p.identity import load_or_create_identity
         from p2p.rounds import RoundProtocol
+        from p2p.stateserver import StateServer
         from p2p.swarm import Swarm
-        from p2p.transfer import StateServer
         cfg = self.config
         tune_malloc()
         # The trainer's thread gets the intra-op threads; every other thread one (node/compute.py).
@@ -207,24 +216,23 @@ class Node:
         from trainer.data import open_source
 
         self.corpus = corpus = await asyncio.to_thread(open_source, cfg.data.paths, verify=cfg.data.verify == "start")
-        checkpoint = await asyncio.to_thread(self._load_checkpoint) if cfg.node.checkpoint_dir else None
-        if checkpoint is not None and checkpoint.get("run_id") != cfg.node.run_id:
-            raise UsageError(f"node.checkpoint_dir: holds run {checkpoint.get('run_id')!r}, not {cfg.node.run_id!r}")
+        checkpoint = await asyncio.to_thread(self.checkpoints.load) if self.checkpoints.enabled else None
         identity = cfg.node.identity or None
         if identity:
             load_or_create_identity(identity)
 
         self.metrics = NodeMetrics()
         self.metrics.min_peers.set(cfg.swarm.min_peers)
+        self.history = RoundRecorder(cfg.node.checkpoint_dir, self.metrics)
         if cfg.node.metrics_addr != "off":
             try:
                 self.metrics.start(cfg.node.metrics_addr)
             except (OSError, RuntimeError) as e:
                 raise UsageError(str(e) if str(e).startswith("node.") else f"node.metrics_addr: {e}")
         control_path = cfg.node.control_path()
+        api = ControlAPI(self.status, self.metrics, cfg.node.run_id, self.write_status)
         if control_path:
-            self.control = ControlServer(control_path, {"status": self._status, "peers": self._peers, "top": self._top},
-                                         private_dir=not cfg.node.control)
+            self.control = ControlServer(control_path, api.handlers(), private_dir=not cfg.node.control)
             try:
                 await self.control.start()
             except RuntimeError as e:
@@ -236,6 +244,7 @@ class Node:
             on_reject=lambda reason: self.metrics.rejected_messages.labels(reason=reason).inc(),
             announce=False,  # into the peer table only once the run's fingerprint is known
         )
+        api.attach(self.swarm)
         self.status.peer_id = self.swarm.peer_id
         self.status.multiaddrs = list(self.swarm.maddrs)
         self.metrics.set_info(self.swarm.peer_id, cfg.node.run_id, self.status.version)
@@ -249,9 +258,8 @@ class Node:
         rules = f"agg={cfg.swarm.aggregator},cap={int(weight_cap) if weight_cap else 'relative'}"
         fingerprint = await self.compute(self.worker.fingerprint, cfg.swarm.codec, rules)
         genesis = self.worker.init_hash  # θ as built, before any checkpoint was loaded
-        if checkpoint is not None and checkpoint.get("fingerprint") not in (None, fingerprint.parts):
-            raise UsageError(f"node.checkpoint_dir: holds a checkpoint of another run: "
-                             f"{fingerprint.difference(checkpoint['fingerprint'])}")
+        if checkpoint is not None:
+            self.checkpoints.check_fingerprint(checkpoint, fingerprint)
         await self.swarm.set_fingerprint(fingerprint)
         log.info("run fingerprint %s (%s)", fingerprint.digest[:16],
                  ", ".join(f"{k}={v}" for k, v in fingerprint.parts.items()))
@@ -272,39 +280,11 @@ class Node:
                                   compute=self.compute,
                                   metrics=self.metrics, status=self.status, inner_steps=cfg.inner.steps,
                                   max_rounds=cfg.node.max_rounds, on_commit=self.after_commit)
-        if checkpoint is not None:
-            try:  # what the checkpoint holds does not fit this node: the user's node.checkpoint_dir
-                if self.ranks is None:  # a multi-rank host's ranks loaded theirs together (_start_worker)
-                    self.worker.load_state_dict(checkpoint["worker"])
-                self.loop_.round_step = int(checkpoint.get("round_step", 0))
-                numel = sum(p.numel() for p in self.worker.global_params)
-                feedback = rounds.ensure_feedback(numel)
-                if feedback is not None and checkpoint.get("feedback") is not None:
-                    feedback.load_state_dict(checkpoint["feedback"])
-                if checkpoint.get("commits") is not None:
-                    commits.load_state_dict(checkpoint["commits"])
-            except ValueError as e:
-                raise ValueError(f"node.checkpoint_dir: {e}") from None
-            commits.hold(self.worker.round, self.worker.params_hash())
-            log.info("resumed from %s at round %d (inner step %d)", cfg.node.checkpoint_dir,
-                     self.worker.round, self.worker.inner_step)
+        if checkpoint is not None:  # a multi-rank host's ranks loaded theirs together (_start_worker)
+            self.checkpoints.restore(checkpoint, self.loop_, worker_loaded=self.ranks is not None)
         self.metrics.round.set(self.worker.round)
         await rounds.start()
         await server.start()
-
-    def _load_checkpoint(self) -> dict | None:
-        """The checkpoint to resume from: the host's (rank 0's part of it, every part checked
-        present and of one round) or the single process's."""
-        from trainer.checkpoint import host_checkpoint, load_checkpoint, load_host_part
-
-        cfg = self.config
-        world = cfg.host.nproc_per_node
-        if world == 1:
-            return load_checkpoint(cfg.node.checkpoint_dir)
-        pointer = host_checkpoint(cfg.node.checkpoint_dir, world)
-        if pointer is not None:
-            self._checkpoint_seq = pointer["seq"]
-        return load_host_part(cfg.node.checkpoint_dir, 0, world)
 
     async def _start_worker(self, corpus, device: str, checkpoint: dict | None = None):
         """This host's worker: the model in this process, or (a multi-rank host) rank 0's shard of
@@ -321,7 +301,7 @@ class Node:
         from trainer.parallel import init_ranks
 
         self.ranks = HostRanks(os.environ[SOCKET_ENV], cfg.host.nproc_per_node, on_lost=self._rank_lost,
-                               on_counts=self._rank_counts)
+                               on_counts=self.metrics.add_rank_counts)
         await self.ranks.start(timeout=RANKS_CONNECT_SECONDS)
         # Every rank builds its shard at once (the process group forms as they join it).
         setup = asyncio.ensure_future(self.ranks.request("setup", peer=self.swarm.peer_id, device=device))
@@ -331,24 +311,12 @@ class Node:
             worker = DiLoCoWorker(model=cfg.model, data=cfg.data, inner=cfg.inner, outer=cfg.outer, corpus=corpus,
                                   shard_key=self.swarm.peer_id, seed=cfg.node.seed, ranks=ranks)
             if checkpoint is not None:  # (init_hash stays θ as built: the run's fingerprint)
-                try:
-                    worker.load_state_dict(checkpoint["worker"])
-                except ValueError as e:
-                    raise ValueError(f"node.checkpoint_dir: {e}") from None
+                NodeCheckpoints.load_worker(worker, checkpoint)
             return worker
 
         local = await self.compute(build)
         replies = await setup
         return HostWorker(local, self.ranks, [r["hash"] for r in replies], [r["init_hash"] for r in replies])
-
-    def _rank_counts(self, counts: dict) -> None:
-        """What another rank's shard plane counted: this host's metrics cover every rank."""
-        m = self.metrics
-        m.sent_bytes.inc(max(0.0, float(counts.get("sent", 0.0))))
-        m.received_bytes.inc(max(0.0, float(counts.get("received", 0.0))))
-        m.state_served.inc(max(0.0, float(counts.get("served", 0.0))))
-        for reason, n in dict(counts.get("rejected", {})).items():
-            m.rejected_messages.labels(reason=str(reason)[:40]).inc(max(0, int(n)))
 
     def _rank_lost(self, why: str) -> None:
         """Another rank of this host died: the round in flight fails on its own (HostShards);
@@ -368,98 +336,17 @@ class Node:
     # ---- after each commit and on stop ----------------------------------------------
 
     async def after_commit(self, checkpoint: bool = True) -> None:
-        self.record_history()
+        """The training loop's ``on_commit``: the round's history line and heartbeat, a checkpoint
+        unless the loop says it is not the time, and the status file."""
+        if self.loop_ is not None:
+            self.history.record(self.loop_)
         if checkpoint:
             await self.checkpoint()
         self.write_status()
 
-    def record_history(self) -> None:
-        """The round just committed: one line in DIR/history.jsonl (node/history.py), and what our
-        heartbeat says of it."""
-        record = self.loop_.last_commit if self.loop_ is not None else None
-        if record is None:
-            return
-        sent, received = (self.metrics.registry.get_sample_value(f"gonka_node_{name}_bytes_total") or 0.0
-                          for name in ("sent", "received"))
-        record = dict(record, sent_bytes=int(sent - self._bytes_at_commit[0]),
-                      received_bytes=int(received - self._bytes_at_commit[1]))
-        self._bytes_at_commit = (sent, received)
-        self.swarm.announce(obs=self._observed(record))
-        if not self.config.node.checkpoint_dir:
-            return
-        try:
-            history.append(self.config.node.checkpoint_dir, record)
-        except OSError as e:  # a full disk costs the line, not the node
-            log.warning("cannot append to the round history: %s", e)
-
-    def _observed(self, record: dict) -> dict:
-        """What the heartbeat tells of our last round (p2p/peertable.py ``OBSERVED``), for `top` elsewhere."""
-        seconds = record.get("allreduce_s") or 0.0
-        obs = {"ar": seconds, "gw": self.loop_.rounds.last.gather_seconds,
-               "bw": (record["sent_bytes"] + record["received_bytes"]) / seconds if seconds > 0 else 0.0,
-               "ab": self.counted("gonka_node_rounds_aborted_total"),
-               "rj": self.counted("gonka_node_rejected_messages_total")}
-        if record.get("eval_loss") is not None:
-            obs["el"] = record["eval_loss"]
-        return {k: round(float(v), 6) for k, v in obs.items() if math.isfinite(v) and v >= 0}
-
-    def counted(self, name: str, by: str | None = None) -> float | dict[str, float]:
-        """A counter's total over its labels, or (``by``) its value per label value."""
-        per: dict[str, float] = {}
-        for metric in self.metrics.registry.collect():
-            for sample in metric.samples:
-                if sample.name == name:
-                    key = sample.labels.get(by, "") if by else ""
-                    per[key] = per.get(key, 0.0) + sample.value
-        return per if by else sum(per.values())
-
     async def checkpoint(self, final: bool = False) -> None:
-        if not self.config.node.checkpoint_dir or self.worker is None:
-            return
-        from trainer.checkpoint import save_checkpoint
-
-        started = time.monotonic()
-        feedback = self.loop_.rounds.feedback
-        # An average that has not landed lands first, on every rank at once (node/ranks.py).
-        await asyncio.to_thread(self.worker.land)
-        # The worker's state is copies of every tensor: taken off the event loop (under the
-        # worker's lock, so an outer step in flight is in it entirely or not at all).
-        worker_state = await asyncio.to_thread(self.worker.state_dict)
-        state = {"run_id": self.config.node.run_id, "round_step": self.loop_.round_step,
-                 "fingerprint": self.swarm.fingerprint.parts if self.swarm.fingerprint else None,
-                 "model": self.worker.model_info(),
-                 "worker": worker_state,
-                 "feedback": feedback.state_dict() if feedback is not None else None,
-                 "commits": self.loop_.rounds.commits.state_dict()}
-        try:
-            if self.ranks is None:
-                await asyncio.to_thread(save_checkpoint, self.config.node.checkpoint_dir, state)
-            else:
-                await self._checkpoint_host(state)
-        except (OSError, RuntimeError) as e:  # written atomically: the previous checkpoint is intact; retried next commit
-            self.metrics.checkpoint_failures.inc()
-            if final:  # no next commit: stopping says so
-                raise
-            log.error("checkpoint failed, the previous one stays in use: %s", e)
-            return
-        self.metrics.checkpoints.inc()
-        self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
-
-    async def _checkpoint_host(self, state: dict) -> None:
-        """Every rank writes its part of checkpoint ``seq`` at once; rank 0 makes it the latest
-        only when all are written (a rank that cannot write fails the checkpoint, RuntimeError)."""
-        from trainer.checkpoint import commit_host_checkpoint, save_host_part
-
-        directory = self.config.node.checkpoint_dir
-        self._checkpoint_seq += 1
-        seq = self._checkpoint_seq
-        others = asyncio.ensure_future(self.ranks.request("checkpoint", dir=directory, seq=seq))
-        try:
-            await asyncio.to_thread(save_host_part, directory, seq, 0, state)
-        finally:
-            await asyncio.gather(others, return_exceptions=True)
-        others.result()
-        await asyncio.to_thread(commit_host_checkpoint, directory, seq, self.ranks.world, state["worker"]["round"])
+        if self.loop_ is not None:
+            await self.checkpoints.save(self.loop_, self.ranks, final=final)
 
     def write_status(self) -> None:
         if self.swarm is not None:
@@ -472,29 +359,6 @@ class Node:
                 write_status_file(self.config.node.status_file, self.status)
             except OSError as e:
                 log.warning("cannot write status file: %s", e)
-
-    async def _status(self) -> dict:
-        if self.swarm is not None:
-            await self.swarm.refresh_peers(max_age=1.0)
-        self.write_status()
-        return self.status.to_json()
-
-    async def _peers(self) -> list[dict]:
-        peers = await self.swarm.refresh_peers(max_age=1.0) if self.swarm else {}
-        self.write_status()
-        me = {"peer_id": self.status.peer_id, "state": self.status.state, "round": self.status.round,
-              "params_hash": self.status.params_hash, "inner_step": self.status.inner_step,
-              "loss": self.status.loss, "multiaddrs": self.status.multiaddrs, "self": True,
-              **parse_observed(self.swarm.observed if self.swarm else {})}
-        return [me] + [dict(r.to_json(), self=False) for r in peers.values()]
-
-    async def _top(self) -> dict:
-        """One screen of `gonka-node top`: every peer's row (ours first; the others' as their
-        heartbeats tell it) and this node's own counts by reason."""
-        return {"peers": await self._peers(), "run_id": self.config.node.run_id,
-                "aborts": self.counted("gonka_node_rounds_aborted_total", by="reason"),
-                "rejected": self.counted("gonka_node_rejected_messages_total", by="reason"),
-                "quarantined": self.counted("gonka_node_quarantined_total", by="reason")}
 
     # ---- stop ------------------------------------------------------------------------
 

@@ -151,7 +151,7 @@ class RankFollower:
         from p2p.hostile import HONEST
         from p2p.limits import StreamLimits
         from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, guarded, shard_names
-        from p2p.transfer import ShardStateServer
+        from p2p.stateserver import ShardStateServer
 
         cfg = self.config.swarm
         self.p2p = await P2P.replicate(Multiaddr(h["maddr"]))
@@ -177,7 +177,7 @@ class RankFollower:
         await self.plane.start(self.p2p, lambda handler: guarded(
             handler, streams=streams, admits=anyone, reject=reject, on_flood=lambda peer: None,
             limit=deadlines.ceiling + 3 * cfg.request_timeout, request_timeout=cfg.request_timeout))
-        # Our shard of the state, for joiners rank 0 lets in (p2p/transfer.py).
+        # Our shard of the state, for joiners rank 0 lets in (p2p/stateserver.py).
         self.state_name = f"gonka.{h['scope']}.state.s{self.rank}"
         self.reject = reject
         self.server = ShardStateServer(self.p2p, self.state_name, streams, reject, metrics, cfg.request_timeout,
@@ -302,8 +302,8 @@ class RankFollower:
 
     async def _op_publish(self, h: dict) -> dict:
         """Our shard's snapshot of the state for joiners (built off the event loop), when rank 0
-        builds its own: when a joiner first asks for it (p2p/transfer.py)."""
-        from p2p.transfer import Snapshot
+        builds its own: when a joiner first asks for it (p2p/stateserver.py)."""
+        from p2p.snapshot import Snapshot
         from trainer.diloco import params_digest
 
         w, chunk = self.worker, self.config.swarm.state_chunk_bytes

@@ -4,14 +4,19 @@
 JSON object (``FIELDS``) as one ``write`` on a file opened for appending, so a
 crash can at worst cut the last line short; ``read`` skips a line it cannot
 parse and any record without the fields, so a damaged line never stops a plot.
+``RoundRecorder`` is the node's writer: after each commit, the round's line here and
+what the node's heartbeat tells the others of it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any
+
+log = logging.getLogger("gonka.node")
 
 FILE_NAME = "history.jsonl"
 # round: the committed round; time: unix seconds of the commit; loss: this node's mean training
@@ -37,6 +42,48 @@ def append(checkpoint_dir: str, record: dict[str, Any]) -> None:
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+class RoundRecorder:
+    """The round a node just committed: one line in DIR/history.jsonl (DIR: node.checkpoint_dir,
+    "" writes none) and what its heartbeat says of it (p2p/peertable.py ``OBSERVED``, for `top`
+    elsewhere). The training loop's record of the commit gains the bytes this node sent and
+    received since the last one, read from its metrics (node/metrics.py)."""
+
+    def __init__(self, checkpoint_dir: str, metrics) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.metrics = metrics
+        self._bytes_at_commit = (0.0, 0.0)  # sent and received byte counters at the last commit
+
+    def record(self, loop) -> None:
+        """Record the training loop's (node/loop.py) last commit, if it has one."""
+        record = loop.last_commit
+        if record is None:
+            return
+        sent, received = (self.metrics.registry.get_sample_value(f"gonka_node_{name}_bytes_total") or 0.0
+                          for name in ("sent", "received"))
+        record = dict(record, sent_bytes=int(sent - self._bytes_at_commit[0]),
+                      received_bytes=int(received - self._bytes_at_commit[1]))
+        self._bytes_at_commit = (sent, received)
+        loop.swarm.announce(obs=self.observed(record, loop.rounds.last.gather_seconds))
+        if not self.checkpoint_dir:
+            return
+        try:
+            append(self.checkpoint_dir, record)
+        except OSError as e:  # a full disk costs the line, not the node
+            log.warning("cannot append to the round history: %s", e)
+
+    def observed(self, record: dict, gather_seconds: float) -> dict:
+        """What the heartbeat tells of the round: all-reduce and gather seconds, bandwidth, this
+        node's aborts and rejections so far, and the eval loss if measured."""
+        seconds = record.get("allreduce_s") or 0.0
+        obs = {"ar": seconds, "gw": gather_seconds,
+               "bw": (record["sent_bytes"] + record["received_bytes"]) / seconds if seconds > 0 else 0.0,
+               "ab": self.metrics.counted("gonka_node_rounds_aborted_total"),
+               "rj": self.metrics.counted("gonka_node_rejected_messages_total")}
+        if record.get("eval_loss") is not None:
+            obs["el"] = record["eval_loss"]
+        return {k: round(float(v), 6) for k, v in obs.items() if math.isfinite(v) and v >= 0}
 
 
 def read(path: str) -> list[dict[str, Any]]:

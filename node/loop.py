@@ -1,8 +1,10 @@
-"""The node's training loop: inner steps, one swarm round, commit or re-sync, checkpoint.
+"""The node's training loop: joining, rounds over the swarm, re-syncs, what others see.
 
-Read it top to bottom: ``run`` is the whole algorithm of docs/design.md as one
-peer sees it. Heavy work (inner steps, the outer step, evaluation) runs in a
-worker thread so the event loop keeps serving the swarm meanwhile.
+The round itself (inner steps, pseudo-gradient, average, outer step, overlapped or
+not) is ``trainer.round.PeerRounds``, the same function the simulator runs; this
+module is its host in a swarm: the round protocol over libp2p, inner steps on the
+trainer's thread (heavy work never blocks the event loop, which keeps serving the
+swarm), state downloads when the swarm moves on, metrics, status and checkpoints.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
 from p2p.transfer import NoChain, Snapshot, StateDownload, StateServer
 from trainer.diloco import DiLoCoWorker
+from trainer.round import ABORTED, BEHIND, COMMITTED, RETRY_SECONDS, PeerRounds
 
 log = logging.getLogger("gonka.node")
 
-RETRY_SECONDS = 0.5
 # Re-syncs in a row, each because the swarm committed again during the one before (``resync``).
 CATCH_UPS = 3
 
@@ -32,6 +34,10 @@ class RunMismatch(Exception):
 
 
 class TrainingLoop:
+    """The node's host for ``trainer.round.PeerRounds``: the round runs over the swarm's round
+    protocol (p2p/rounds.py), inner steps on the trainer's thread, and a peer left behind
+    downloads the swarm's state."""
+
     def __init__(self, *, worker: DiLoCoWorker, swarm: Swarm, rounds: RoundProtocol, server: StateServer,
                  compute, metrics, status: Status, inner_steps: int, max_rounds: int, on_commit) -> None:
         self.worker = worker
@@ -47,14 +53,19 @@ class TrainingLoop:
         self.on_commit = on_commit  # async callback(checkpoint: bool): checkpoint + status file
         self.stop_requested = asyncio.Event()
         self.stop_flag = threading.Event()  # seen by the inner-step thread
-        # Inner steps already taken in the current round (non-zero after resuming mid-round).
-        self.round_step = 0
-        # Overlapped rounds: the previous round's averaging, running during these inner steps.
-        self.pending: asyncio.Future | None = None
-        self._committing: asyncio.Future | None = None  # the commit being applied (see commit)
+        self.peer = PeerRounds(worker, self, retry_seconds=RETRY_SECONDS)
         self._evaluated = -1
         self._fakes = 0  # test-only hostile states served (p2p/hostile.py, fake_states)
         self.last_commit: dict | None = None  # the last committed round, for the history (node/history.py)
+
+    @property
+    def round_step(self) -> int:
+        """Inner steps already taken in the current round (non-zero after resuming mid-round)."""
+        return self.peer.round_step
+
+    @round_step.setter
+    def round_step(self, steps: int) -> None:
+        self.peer.round_step = steps
 
     def request_stop(self) -> None:
         self.stop_flag.set()
@@ -68,70 +79,26 @@ class TrainingLoop:
         await self.join()
         try:
             while not self.done():
-                await self.one_round()
+                await self.peer.one_round()
         finally:
-            if self.pending is not None:  # stopping: the round in flight aborts everywhere
-                self.pending.cancel()
-                await asyncio.gather(self.pending, return_exceptions=True)
-                self.pending = None
-            if self._committing is not None:  # ... unless it was committing: that ends first
-                await asyncio.gather(self._committing, return_exceptions=True)
+            # Stopping: the round in flight aborts everywhere, unless it was committing.
+            await self.peer.finish()
 
-    async def one_round(self) -> None:
-        """Inner steps, then this round's average: awaited (overlap off) or launched in the
-        background while the next round's inner steps run (delayed, eager)."""
-        if self.pending is None:
-            self.set_state("training")
-            if self.rounds.hostile.fake_states:  # test-only: a new claim every round, committed or not
-                await asyncio.to_thread(self._serve_fake_state)
-        # The round these steps count towards: the next one, or the one after the round in flight.
-        phase_round = self.worker.round + (1 if self.pending is None else 2)
-        stats = await self.train_phase()
-        self.round_step += stats.steps
-        self.record_inner(stats, phase_round)
-        if self.stop_requested.is_set():
-            return
-        if self.pending is not None:
-            waited = time.monotonic()
-            outcome = await self.unless_stopped(self.pending)
-            self.pending = None
-            self.metrics.overlap_wait_seconds.inc(time.monotonic() - waited)
-            if outcome is None:
-                return
-            if outcome == "behind":
-                await self.resync("behind")
-                return
-            await self.evaluate_if_due()
-            await self.on_commit(checkpoint=True)
-            if self.done():  # --max-rounds reached: the work of this last phase is not sent
-                return
-        await self.check_consistency()
-        if self.round_step == 0:  # a re-sync discarded this round's work
-            return
-        # Into error feedback's vector where it is free: no vector of Δ alone (the round folds it).
-        into = self.rounds.delta_target()
-        delta = await self.compute(self.worker.pseudo_gradient, into)
-        # Weight = tokens this peer trained on in the round (DiLoCo's token-weighted average).
-        weight = float(self.round_step * self.tokens_per_step)
-        if not self.overlapped:
-            if await self.average_until_settled(delta, weight) == "behind":
-                await self.resync("behind")
-            return
-        await self.compute(self.worker.start_overlapped, delta if into is None else None)  # Δ alone
-        self.round_step = 0
-        self.pending = asyncio.ensure_future(self.average_until_settled(delta, weight))
-        # Committed (the average already applied), behind, or stopping: a step waiting for it goes on.
-        self.pending.add_done_callback(lambda _: self.worker.settle())
+    # ---- the round's host (trainer/round.py) -------------------------------------------------
 
-    async def train_phase(self):
+    async def starting(self) -> None:
+        self.set_state("training")
+        if self.rounds.hostile.fake_states:  # test-only: a new claim every round, committed or not
+            await asyncio.to_thread(self._serve_fake_state)
+
+    async def train(self, round_step: int):
         """This round's inner steps: H of them, or (heterogeneous hosts) until the round's
         wall-clock target or the swarm's token budget for the round is reached."""
         cfg = self.worker.inner_cfg
         if not (cfg.round_seconds or cfg.round_tokens):
-            return await self.compute(self.worker.inner_steps, self.inner_steps - self.round_step,
-                                           self.stop_flag.is_set)
+            return await self.compute(self.worker.inner_steps, self.inner_steps - round_step, self.stop_flag.is_set)
         started, first_step = time.monotonic(), self.worker.inner_step
-        done_before = self.round_step * self.tokens_per_step  # resumed mid-round
+        done_before = round_step * self.tokens_per_step  # resumed mid-round
         swarm_tokens = 0  # other peers' tokens towards the same round, from their heartbeats
 
         def mine() -> int:
@@ -168,55 +135,39 @@ class TrainingLoop:
 
     @property
     def overlapped(self) -> bool:
-        return self.worker.outer_cfg.overlap != "off"
+        return self.peer.overlapped
 
     @property
     def tokens_per_step(self) -> int:
         return self.worker.tokens_per_step
 
-    # ---- one round -----------------------------------------------------------------------
+    def waited(self, seconds: float) -> None:
+        self.metrics.overlap_wait_seconds.inc(seconds)
 
-    async def average_until_settled(self, delta, weight: float) -> str | None:
-        """Average until the round commits (``committed``), the swarm moves past us
-        (``behind``: the caller re-syncs), or we are told to stop (None)."""
-        r = self.worker.round
-        while not self.stop_requested.is_set():
-            avg = await self.unless_stopped(self.rounds.average(delta, weight, r, state=self.status.params_hash,
-                                                                donate=True))
-            outcome = self.rounds.last
-            if avg is not None:
-                await self.commit(avg, weight)
-                return "committed"
-            if self.stop_requested.is_set():
-                return None
-            if outcome.status == "behind":
-                return "behind"
+    def delta_target(self):
+        # Into error feedback's vector where it is free: no vector of Δ alone (the round folds it).
+        return self.rounds.delta_target()
+
+    async def average(self, delta, weight: float, round: int):
+        avg = await self.rounds.average(delta, weight, round, state=self.status.params_hash, donate=True)
+        outcome = self.rounds.last
+        if avg is not None:
+            return avg, COMMITTED, None
+        if outcome.status == "behind":
+            return None, BEHIND, outcome.reason
+        if not self.stop_requested.is_set():
             self.metrics.rounds_aborted.labels(reason=outcome.reason or "unknown").inc()
             self.metrics.round_retries.inc()
-            log.info("aborted round=%d group=%s reason=%s; retrying with the survivors", r + 1, outcome.group_id,
+            log.info("aborted round=%d group=%s reason=%s; retrying with the survivors", round + 1, outcome.group_id,
                      outcome.reason)
-            await asyncio.sleep(RETRY_SECONDS)
-        return None
+        return None, ABORTED, outcome.reason
 
-    async def commit(self, avg, weight: float) -> None:
-        """Apply the committed average, whatever happens meanwhile: a stop that cancels the
-        round in flight waits for it (``run``) instead of checkpointing θ between the outer
-        step and its bookkeeping (the round's certificate, the params_hash announced)."""
-        self._committing = asyncio.ensure_future(self._commit(avg, weight))
-        await asyncio.shield(self._committing)
-
-    async def _commit(self, avg, weight: float) -> None:
-        """Overlapped, the inner steps of the next round are running meanwhile: the local copy
-        is left alone, and evaluation and the checkpoint wait for the round boundary."""
+    async def committed(self, weight: float, overlapped: bool) -> None:
+        """Overlapped, the inner steps of the next round are running meanwhile: evaluation and
+        the checkpoint wait for the round boundary (``boundary``)."""
         members = len(self.rounds.last.members)
-        overlapped = self.overlapped
         prev_hash = self.status.params_hash
-        # Overlapped, the trainer's thread is busy with the next round's steps: the outer step
-        # runs beside them (single-threaded; the worker's lock orders the two).
-        run = asyncio.to_thread if overlapped else self.compute
-        await run(self.worker.apply_outer, avg, reset_local=not overlapped)
         if not overlapped:
-            self.round_step = 0
             await self.evaluate_if_due()
         self.metrics.rounds.inc()
         self.metrics.round.set(self.worker.round)
@@ -236,6 +187,10 @@ class TrainingLoop:
                  self.rounds.last.allreduce_seconds)
         await self.on_commit(checkpoint=not overlapped)
 
+    async def boundary(self) -> None:
+        await self.evaluate_if_due()
+        await self.on_commit(checkpoint=True)
+
     async def evaluate_if_due(self) -> None:
         every = self.worker.data_cfg.eval_every
         if every and self.worker.round % every == 0 and self.worker.round != self._evaluated:
@@ -243,21 +198,6 @@ class TrainingLoop:
             eval_loss = await self.compute(self.worker.eval_loss)
             self.metrics.eval_loss.set(eval_loss)
             self.status.eval_loss = eval_loss
-
-    async def unless_stopped(self, coro):
-        """Run coro, but abandon it (cancel) as soon as a stop is requested."""
-        task = asyncio.ensure_future(coro)
-        stop = asyncio.ensure_future(self.stop_requested.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()  # and let it end now: a node stopping later must not leave it pending
-            await asyncio.gather(stop, return_exceptions=True)
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return None
-        return task.result()
 
     # ---- joining and staying consistent ---------------------------------------------------
 
@@ -452,7 +392,7 @@ class TrainingLoop:
                                          self.swarm.config.state_chunk_bytes))
         self.swarm.announce(round=self.announced_round, hash=fake_hash)
 
-    def record_inner(self, stats, phase_round: int) -> None:
+    def trained(self, stats, phase_round: int) -> None:
         if stats.steps:
             # The benchmarks derive compute utilization from these lines (end time, seconds).
             log.info("trained round=%d steps=%d seconds=%.3f loss=%.4f", phase_round, stats.steps,

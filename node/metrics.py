@@ -267,6 +267,25 @@ class NodeMetrics:
         if thread is not None:
             thread.join(timeout=5)
 
+    def add_rank_counts(self, counts: dict) -> None:
+        """What another rank's shard plane counted (node/ranks.py): a multi-rank host's metrics
+        cover every rank."""
+        self.sent_bytes.inc(max(0.0, float(counts.get("sent", 0.0))))
+        self.received_bytes.inc(max(0.0, float(counts.get("received", 0.0))))
+        self.state_served.inc(max(0.0, float(counts.get("served", 0.0))))
+        for reason, n in dict(counts.get("rejected", {})).items():
+            self.rejected_messages.labels(reason=str(reason)[:40]).inc(max(0, int(n)))
+
+    def counted(self, name: str, by: str | None = None) -> float | dict[str, float]:
+        """A counter's total over its labels, or (``by``) its value per label value."""
+        per: dict[str, float] = {}
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name == name:
+                    key = sample.labels.get(by, "") if by else ""
+                    per[key] = per.get(key, 0.0) + sample.value
+        return per if by else sum(per.values())
+
     def render(self) -> bytes:
         """The exposition text a scrape would get."""
         return generate_latest(self.registry)

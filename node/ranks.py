@@ -251,7 +251,7 @@ class HostWorker:
 
     def apply_outer(self, avg_delta, *, reset_local: bool = True) -> None:
         """Every rank's outer step on its shard. Overlapped (``reset_local`` False), the ranks'
-        inner steps run meanwhile and land it together (``DiLoCoWorker._host_gate``)."""
+        inner steps run meanwhile and land it together (``trainer.landing.Landing.host_gate``)."""
         pending = self.ranks.submit("apply_outer", reset=reset_local)
         self.local.apply_outer(avg_delta, reset_local=reset_local)
         self._took(pending.result())

@@ -28,7 +28,9 @@ from typing import Sequence
 import torch
 
 from p2p.aggregate import aggregate
-from p2p.codecs import Codec, ErrorFeedback, check_vector, get_codec
+from p2p.codec import Codec, check_vector
+from p2p.codecs import get_codec
+from p2p.feedback import ErrorFeedback
 
 # Values per piece of the swarm's all-reduce: the unit a part owner aggregates, encodes and sends.
 PIECE_ELEMS = 1 << 18

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("nibble.c")
 FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 BUILD_TIMEOUT_S = 120.0
 
-# Return codes of the kernels, as p2p.codecs.CodecError reasons.
+# Return codes of the kernels, as p2p.codec.CodecError reasons.
 ERRORS = {1: "non_finite_input", 2: "non_finite_scale", 3: "negative_scale", 4: "scale_overflow", 5: "bad_code",
           6: "bad_padding"}
 # The kind argument of gonka_nibble_encode/decode; int8 has entry points of its own.

@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 
 from p2p.audit import PartAudit
-from p2p.codecs import ErrorFeedback
 from p2p.compression import base_vector, flatten, owned_bounds
 from p2p.exchange import PartExchange, all_or_fail, off_loop
 from p2p.faults import NO_FAULTS, Faults
+from p2p.feedback import ErrorFeedback
 from p2p.group import LANES, Group, RoundFailed
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,

@@ -53,7 +53,7 @@ NAT_RULES = """table ip gonka_nat {{
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s)", re.IGNORECASE)
 _DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
-Cmd = Callable[..., str]  # netbed._cmd: run argv, return stdout, TestbedError on failure
+Cmd = Callable[..., str]  # netns.cmd: run argv, return stdout, TestbedError on failure
 
 
 def parse_duration(value: str | float, what: str = "delay") -> float:

@@ -1,35 +1,32 @@
-"""One DiLoCo worker and the round every peer runs, in the swarm or in the simulator.
+"""One DiLoCo worker: the state a peer holds and the steps it takes.
 
 The worker holds the swarm-wide state (global parameters θ and outer momentum,
 fp32 on CPU, bit-identical on every peer) next to its local working copy on the
-accelerator with its own AdamW state, which is never averaged. ``run_round`` is
-the whole algorithm: inner steps, pseudo-gradient, average, outer step.
+accelerator with its own AdamW state, which is never averaged. Its operations
+(inner steps, pseudo-gradient, outer step, overlapped starts and landings) are
+blocking calls; the round that strings them together, in the swarm and in the
+simulator alike, is ``trainer.round.PeerRounds``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
 import torch
 
-from trainer.averaging import Averager
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
-from trainer.model import LoadedModel, load_model, lm_loss
+from trainer.landing import Landing
+from trainer.model import LoadedModel, check_vocab, load_model, lm_loss
 from trainer.outer import OuterOptimizer
 from trainer.parallel import (Ranks, local_optimizer_state, local_tensors, replica_slices, reshard_optimizer_state,
                               resharded, shard_model, sync_replicas, wrap_model)
 from trainer.schedule import inner_lr
-
-# outer.land_step: how often a step waiting for the round in flight checks whether to stop.
-LAND_POLL_SECONDS = 0.05
-
 
 @dataclass
 class InnerStats:
@@ -52,19 +49,6 @@ def _check_tensors(tensors, like: list[torch.Tensor], key: str) -> None:
     for i, (t, ref) in enumerate(zip(tensors, like)):
         if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
             raise ValueError(f"{key}: tensor {i} must be {ref.dtype} of shape {tuple(ref.shape)}")
-
-
-def _check_vocab(corpus, loaded: LoadedModel) -> None:
-    """The data's tokens must be ids the model has: bytes for the presets, the tokenizer's for shards."""
-    vocab = getattr(corpus, "vocab_size", None)
-    if vocab is None:  # text read as bytes
-        if not loaded.byte_level:
-            raise ValueError(f"data.paths: text files are read as bytes, which only the built-in presets train on; "
-                             f"tokenize them for {loaded.source} with `gonka-node prepare-data --tokenizer DIR`")
-        return
-    if vocab > loaded.vocab_size:
-        raise ValueError(f"data.paths: {getattr(corpus, 'path', '?')}: its tokenizer has {vocab} tokens, more than "
-                         f"the vocab_size {loaded.vocab_size} of {loaded.source}")
 
 
 def _delta(start: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,7 +91,7 @@ class DiLoCoWorker:
         if self.seq_len > self.loaded.context:
             raise ValueError(f"data.seq_len: {self.seq_len} exceeds the context of {model.source} "
                              f"({self.loaded.context} positions)")
-        _check_vocab(corpus, self.loaded)
+        check_vocab(corpus, self.loaded)
         if ranks is None:
             self.model = self.loaded.module.to(self.device)
         elif sharded:
@@ -134,17 +118,11 @@ class DiLoCoWorker:
         )
         self.outer_cfg = outer
         self.outer_opt = OuterOptimizer(self.global_params, outer)
-        # Where the local copy started this round when that is not θ (overlapped rounds).
-        self.origin: list[torch.Tensor] | None = None
         # Overlapped rounds: an average committed while the local copy trains moves the
-        # local copy at its next step (see apply_outer); the lock orders the two threads.
+        # local copy at a later step (trainer/landing.py); the lock orders the two threads.
         self._lock = threading.Lock()
-        self._rebase_due = False
-        # outer.land_step: steps taken since the round in flight was launched, and set once
-        # it has committed or given up (then the inner loop stops waiting for it).
-        self._steps_in_flight = 0
-        self._settled = threading.Event()
-        self._settled.set()
+        self.landing = Landing(global_params=self.global_params, land_step=lambda: self.outer_cfg.land_step,
+                               ranks=ranks, lock=self._lock, local=self._local, local_written=self._local_written)
         self.sampler = ShardSampler(
             corpus,
             # Every rank of a host draws its own batches from the host's shard.
@@ -203,7 +181,8 @@ class DiLoCoWorker:
         # Losses add up on the device and are read once: no host sync per step.
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         steps = 0
-        gate = self._host_gate if self.ranks is not None and self.ranks.world > 1 else self._gate
+        landing = self.landing
+        gate = landing.host_gate if self.ranks is not None and self.ranks.world > 1 else landing.gate
         for _ in range(n):
             if not gate(should_stop):
                 break
@@ -246,8 +225,8 @@ class DiLoCoWorker:
         ``into``: a vector to add Δ into instead (error feedback's residual, ``RoundProtocol.
         delta_target``): the round then sends Δ plus what earlier rounds dropped without a vector
         of Δ alone. Each value is the same sum as adding the residual to Δ afterwards."""
-        self._rebase_if_due()
-        start, local = self._start(), self._local()
+        self.landing.rebase_if_due()
+        start, local = self.landing.start(), self._local()
         numel = sum(g.numel() for g in start)
         if into is None:
             flat = torch.empty(numel, dtype=torch.float32)
@@ -266,52 +245,14 @@ class DiLoCoWorker:
             at += g.numel()
         return delta
 
-    def _gate(self, should_stop: Callable[[], bool] | None) -> bool:
-        """Before an inner step: False to stop. A committed average of the round in flight lands
-        now, unless ``outer.land_step`` = K holds it for the K-th step of the flight, which waits
-        for the round to commit (or give up) if it has not."""
-        if should_stop is not None and should_stop():
-            return False
-        land_step = self.outer_cfg.land_step
-        if self._steps_in_flight + 1 == land_step:
-            while not self._settled.wait(LAND_POLL_SECONDS):
-                if should_stop is not None and should_stop():
-                    return False
-        self._steps_in_flight += 1
-        if self._steps_in_flight >= land_step:  # an average that came in earlier waits for its step
-            self._rebase_if_due()
-        return True
-
-    def _host_gate(self, should_stop: Callable[[], bool] | None) -> bool:
-        """``_gate`` on a multi-rank host, where every decision is the ranks' together (one
-        all-reduce of three flags per step, every rank deciding the same from the same answer):
-        a stop asked of any rank stops all; rank 0, whose round protocol runs the round, says
-        when it is over (``settle``: on a commit, only once every rank has applied its outer
-        step); and an average lands only at a step at which every rank has it. Ranks that took
-        it at different steps would train different models for a while (FSDP: shards of two
-        starts; DDP: replicas that never become one again)."""
-        land_step = self.outer_cfg.land_step
-        while True:
-            asked = should_stop is not None and should_stop()
-            unsettled = self.ranks.rank == 0 and not self._settled.is_set()
-            stop, unsettled, not_landed = self.ranks.any(asked, unsettled, not self._rebase_due)
-            if stop:
-                return False
-            if not (unsettled and self._steps_in_flight + 1 == land_step):
-                break
-            time.sleep(LAND_POLL_SECONDS)
-        self._steps_in_flight += 1
-        if self._steps_in_flight >= land_step and not not_landed:
-            self._rebase_if_due()
-        return True
+    @property
+    def origin(self) -> list[torch.Tensor] | None:
+        """Where the local copy started this round when that is not θ (overlapped rounds)."""
+        return self.landing.origin
 
     def settle(self) -> None:
         """The round in flight committed (after ``apply_outer``) or will not: stop waiting for it."""
-        self._settled.set()
-
-    def _start(self) -> list[torch.Tensor]:
-        """Where the local copy started this round: θ, or ``origin`` when rounds overlap."""
-        return self.origin if self.origin is not None else self.global_params
+        self.landing.settle()
 
     def apply_outer(self, avg_delta: list[torch.Tensor], *, reset_local: bool = True) -> None:
         """Outer step on θ with the round's averaged Δ; the local copy restarts from the new
@@ -324,32 +265,19 @@ class DiLoCoWorker:
             self.outer_opt.step(avg_delta)
             self.round += 1
             if not reset_local:
-                self._rebase_due = True
+                self.landing.due()
         if reset_local:
             self.reset_local()
 
     def land(self) -> None:
         """A committed average that has not landed in the local copy yet lands now (before a
         checkpoint; on a DDP rank a collective, as every landing is)."""
-        self._rebase_if_due()
-
-    @torch.no_grad()
-    def _rebase_if_due(self) -> None:
-        if not self._rebase_due:
-            return
-        with self._lock:
-            for p, o, g in zip(self._local(), self._start(), self.global_params):
-                p.add_((g - o).to(p.device, p.dtype))
-            self._local_written()
-            self.origin = [g.clone() for g in self.global_params]
-            self._rebase_due = False
+        self.landing.rebase_if_due()
 
     @torch.no_grad()
     def reset_local(self) -> None:
         """Discard local progress: θ_local ← θ (AdamW state stays)."""
-        self.origin = None
-        self._rebase_due = False
-        self._settled.set()
+        self.landing.reset()
         for g, p in zip(self.global_params, self._local()):
             p.copy_(g)
         self._local_written()
@@ -362,10 +290,8 @@ class DiLoCoWorker:
         in which this peer's own Δ stands in for the unknown average (the eager updates of
         arXiv 2502.12996). The preview is linear in Δ, so the token-weighted mean of the
         members' previews is exactly the committed θ: each start is off only by the
-        member's own deviation from the average. (A 1/M share of Δ instead previews a
-        fraction of the step; every member then relearns the rest, and the committed
-        steps overshoot: measured 3.53 vs 2.39 eval loss after 8 tiny-model rounds.)
-        The preview is local: θ and the outer momentum change only through
+        member's own deviation from the average (a 1/M share of Δ does worse:
+        docs/history.md). The preview is local: θ and the outer momentum change only through
         ``apply_outer``.
 
         ``own_delta`` None: Δ is computed again here, one tensor at a time (the pseudo-gradient
@@ -376,15 +302,12 @@ class DiLoCoWorker:
             start = self.outer_opt.preview(own_delta)
         else:
             start = [self.outer_opt.preview_tensor(i, _delta(g, p))
-                     for i, (g, p) in enumerate(zip(self._start(), self._local()))]
+                     for i, (g, p) in enumerate(zip(self.landing.start(), self._local()))]
         with self._lock:
             for s, p in zip(start, self._local()):
                 p.copy_(s)
             self._local_written()
-            self.origin = start
-            self._rebase_due = False
-            self._steps_in_flight = 0
-            self._settled.clear()
+            self.landing.begin(start)
 
     # -- swarm state --------------------------------------------------------
 
@@ -462,7 +385,7 @@ class DiLoCoWorker:
         """Everything needed to resume this worker exactly (loadable with weights_only=True).
         Read under the worker's lock: an overlapped outer step running in another thread (a
         stop can come in the middle of one) is in it entirely or not at all."""
-        self._rebase_if_due()
+        self.landing.rebase_if_due()
         with self._lock:
             return self._state_dict()
 
@@ -513,77 +436,10 @@ class DiLoCoWorker:
         torch.set_rng_state(d["rng_cpu"])
         if "rng_cuda" in d and self.device.type == "cuda":
             torch.cuda.set_rng_state(d["rng_cuda"], self.device)
-        self.origin = None if d.get("origin") is None else [o.clone() for o in d["origin"]]
-        self._rebase_due = False
-        self._settled.set()  # a loaded state has no round in flight
+        # A loaded state has no round in flight.
+        self.landing.reset(None if d.get("origin") is None else [o.clone() for o in d["origin"]])
         self.round = d["round"]
         self.inner_step = d["inner_step"]
-
-
-async def run_round(
-    worker: DiLoCoWorker,
-    averager: Averager,
-    steps: int,
-    *,
-    run_blocking: Callable[..., Awaitable] | None = None,
-) -> tuple[InnerStats, bool]:
-    """One DiLoCo round; returns the inner stats and whether the round committed."""
-    if run_blocking is None:
-        stats = worker.inner_steps(steps)
-    else:
-        stats = await run_blocking(worker.inner_steps, steps)
-    delta = worker.pseudo_gradient()
-    avg = await averager.average(delta, weight=float(stats.tokens), round=worker.round)
-    if avg is None:
-        worker.reset_local()
-        return stats, False
-    worker.apply_outer(avg)
-    return stats, True
-
-
-async def run_round_overlapped(
-    worker: DiLoCoWorker,
-    averager: Averager,
-    steps: int,
-    pending: asyncio.Future | None,
-    *,
-    land_after: int | None = None,
-) -> tuple[InnerStats, bool | None, asyncio.Future | None]:
-    """One overlapped DiLoCo round (``outer.overlap`` delayed or eager).
-
-    Inner steps run while the previous round's average is still travelling
-    (``pending``); it lands after ``land_after`` of the steps (default: after all of
-    them), is applied, and the local copy moves with θ (``apply_outer``). The next
-    round starts before this round's average is known. Returns the inner stats,
-    whether the previous round committed (None if there was none), and the new
-    pending average. A member whose previous round failed launches nothing: it must
-    re-sync, then train from θ.
-    """
-    first = steps if pending is None or land_after is None else max(0, min(land_after, steps))
-    stats = worker.inner_steps(first)
-    committed = None
-    if pending is not None:
-        avg = await pending
-        committed = avg is not None
-        if avg is None:
-            return stats, False, None
-        worker.apply_outer(avg, reset_local=False)
-    stats = stats + worker.inner_steps(steps - first)
-    delta = worker.pseudo_gradient()
-    worker.start_overlapped(delta)
-    worker.settle()  # here land_after says when an average lands; outer.land_step is the node's
-    task = asyncio.ensure_future(averager.average(delta, weight=float(stats.tokens), round=worker.round))
-    return stats, committed, task
-
-
-async def drain(worker: DiLoCoWorker, pending: asyncio.Future | None) -> bool | None:
-    """Apply the last overlapped round's average, if any; the local copy restarts from θ."""
-    if pending is None:
-        return None
-    avg = await pending
-    if avg is not None:
-        worker.apply_outer(avg)
-    return avg is not None
 
 
 def params_digest(params) -> str:

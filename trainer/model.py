@@ -402,3 +402,16 @@ def encode(text: str) -> list[int]:
 def decode(tokens) -> str:
     """Byte-level presets: tokens to text; a sampled model may emit invalid UTF-8, hence 'replace'."""
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def check_vocab(corpus, loaded: LoadedModel) -> None:
+    """The data's tokens must be ids the model has: bytes for the presets, the tokenizer's for shards."""
+    vocab = getattr(corpus, "vocab_size", None)
+    if vocab is None:  # text read as bytes
+        if not loaded.byte_level:
+            raise ValueError(f"data.paths: text files are read as bytes, which only the built-in presets train on; "
+                             f"tokenize them for {loaded.source} with `gonka-node prepare-data --tokenizer DIR`")
+        return
+    if vocab > loaded.vocab_size:
+        raise ValueError(f"data.paths: {getattr(corpus, 'path', '?')}: its tokenizer has {vocab} tokens, more than "
+                         f"the vocab_size {loaded.vocab_size} of {loaded.source}")

@@ -1,21 +1,95 @@
 """k DiLoCo workers in one process, averaging through an InProcessGroup.
 
-The simulator runs exactly the code a swarm peer runs (``run_round``), with the
-network replaced by the in-process averager, so convergence and failure
-handling can be measured on one machine in seconds.
+Each simulated peer runs the node's own round function (``trainer.round.PeerRounds``,
+what ``node/loop.py`` runs over the swarm) with the network replaced by the
+in-process averager, so convergence and failure handling measured here in seconds
+are the swarm's. A test runs one seed through a two-node swarm and through this
+simulator and compares θ bit for bit (tests/integration/test_simulator_matches.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from typing import Any, Callable
 
 import torch
 
-from typing import Callable
-
-from trainer.averaging import Averager, HostileMember, InProcessGroup, weighted_average
+from trainer.averaging import Averager, Combine, HostileMember, InProcessGroup, weighted_average
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
-from trainer.diloco import DiLoCoWorker, drain, run_round, run_round_overlapped
+from trainer.diloco import DiLoCoWorker, InnerStats
+from trainer.round import BEHIND, COMMITTED, PeerRounds
+
+
+class SimulatedPeer:
+    """``PeerRounds``' host for simulated peer ``index``: ``steps`` inner steps per round on a
+    thread of its own, the group member as the averager, and a re-sync that waits for the others
+    to commit and copies their state (as a swarm peer waits for the round in flight and downloads)."""
+
+    def __init__(self, sim: "Simulator", index: int) -> None:
+        self.sim = sim
+        self.index = index
+        self.worker = sim.workers[index]
+        self.member = sim.members[index]
+        self.stop_requested = asyncio.Event()
+        self.steps = 0
+        self.stats: InnerStats | None = None
+        self.rounds = PeerRounds(self.worker, self, retry_seconds=0.0)
+
+    async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # A thread, as the node's trainer thread: a step waiting to land an average
+        # (outer.land_step) must not block the event loop that completes the round.
+        threads = self.sim.threads
+
+        def call():
+            torch.set_num_threads(threads)  # per thread, as the node's --threads sets its trainer thread's
+            return fn(*args, **kwargs)
+
+        return await asyncio.to_thread(call)
+
+    async def train(self, round_step: int) -> InnerStats:
+        return await self.compute(self.worker.inner_steps, self.steps - round_step)
+
+    def trained(self, stats: InnerStats, phase_round: int) -> None:
+        self.stats = stats
+
+    def waited(self, seconds: float) -> None:
+        pass
+
+    async def starting(self) -> None:
+        pass
+
+    def delta_target(self) -> torch.Tensor | None:
+        return None
+
+    async def average(self, delta, weight: float, round: int):
+        avg = await self.member.average(delta, weight, round)
+        # In process, a member left out is never asked again: the others committed without it.
+        return (avg, COMMITTED, None) if avg is not None else (None, BEHIND, "left out")
+
+    async def committed(self, weight: float, overlapped: bool) -> None:
+        self.sim.commits.set()
+
+    async def boundary(self) -> None:
+        pass
+
+    async def check_consistency(self) -> None:
+        pass
+
+    async def resync(self, reason: str) -> None:
+        """Overlapped, the others' next round is already in flight: sit it out (its average
+        arrives without this peer's work) and take the state after it, as a swarm peer waits
+        for the round in flight to commit before it downloads."""
+        target = self.worker.round + 1
+        if self.rounds.overlapped:
+            await self.sim.group.sit_out(self.index, self.worker.round + 1)
+            target += 1
+        donor = await self.sim.committed_to(target)
+        await self.compute(self.worker.load_global_state, donor.global_state())
+        self.rounds.round_step = 0
+
+    def done(self) -> bool:
+        return False
 
 
 class Simulator:
@@ -32,96 +106,118 @@ class Simulator:
         fail: set[tuple[int, int]] | frozenset = frozenset(),
         wrap: Callable[[int, Averager], Averager] | None = None,
         land_after: float = 1.0,
-        aggregator: str | None = None,
+        combine: Combine = weighted_average,
         hostile: tuple[int, str] | None = None,
+        shard_keys: list[str] | None = None,
+        threads: int = 0,
     ) -> None:
         """``wrap(i, member)`` may replace worker i's averager, e.g. to compress on the way.
 
         Overlapped rounds: the average of round r lands after this fraction of round
-        r+1's inner steps (an all-reduce that takes half a round: 0.5; 1.0 = at the end).
+        r+1's inner steps (an all-reduce that takes half a round: 0.5; 1.0 = at the end),
+        i.e. at the fixed ``outer.land_step`` that makes a node's overlapped run reproducible.
 
-        ``aggregator``: None averages exactly (float64); a ``swarm.aggregator`` name runs the
-        swarm's part owners' code on the swarm's pieces (``p2p.compression.SwarmAverage``).
+        ``combine``: the members' (tensors, weight) in member order -> the round's result: the
+        exact mean by default, or the swarm's part owners' code (``p2p.compression.SwarmAverage``),
+        handed in by the caller (trainer/ imports nothing from the network layer).
+        ``fail``: (worker, round) pairs left out of that round's average (round = θ's round when it
+        was sent); every round keeps at least one member.
         ``hostile=(i, kind)``: worker i sends ``trainer.averaging.attack(kind)`` of its
         pseudo-gradient, as the part owners receive it (a ``wrap`` codec's errors and
-        error feedback stay the worker's own; the hostile values are not quantised)."""
+        error feedback stay the worker's own; the hostile values are not quantised).
+        ``shard_keys``: each worker's data shard (default ``sim-i``; a node's is its peer id).
+        ``threads``: torch intra-op threads of each worker's inner steps, as the node's ``--threads``
+        (a matrix product's bits may depend on the count); 0: torch's threads shared among the
+        workers, whose steps run side by side."""
+        keys = shard_keys if shard_keys is not None else [f"sim-{i}" for i in range(k)]
+        if len(keys) != k:
+            raise ValueError(f"shard_keys: expected {k} keys (got {len(keys)})")
+        # One seed for all: every worker starts from the same θ, as peers do.
+        workers = [DiLoCoWorker(model=model, data=data, inner=inner, outer=outer, corpus=corpus, shard_key=key,
+                                seed=seed) for key in keys]
+        self._setup(workers, fail=fail, wrap=wrap, land_after=land_after, combine=combine, hostile=hostile,
+                    threads=threads)
+
+    @classmethod
+    def of(cls, workers: list[DiLoCoWorker], **options: Any) -> "Simulator":
+        """A simulator over workers built elsewhere (all from the same θ); ``options`` as above."""
+        sim = cls.__new__(cls)
+        sim._setup(workers, **options)
+        return sim
+
+    def _setup(self, workers: list[DiLoCoWorker], *, fail=frozenset(), wrap=None, land_after: float = 1.0,
+               combine: Combine = weighted_average, hostile: tuple[int, str] | None = None,
+               threads: int = 0) -> None:
+        k = len(workers)
         if not 0.0 <= land_after <= 1.0:
             raise ValueError(f"land_after must be in [0, 1], got {land_after}")
         if hostile is not None and not 0 <= hostile[0] < k:
             raise ValueError(f"hostile member must be in [0, {k}) (got {hostile[0]})")
+        if any(sum(1 for _, r in fail if r == rnd) >= k for _, rnd in fail):
+            raise ValueError("fail: every round needs at least one member that is not left out")
         self.land_after = land_after
-        # One seed for all: every worker starts from the same θ, as peers do.
-        self.workers = [
-            DiLoCoWorker(
-                model=model, data=data, inner=inner, outer=outer,
-                corpus=corpus, shard_key=f"sim-{i}", seed=seed,
-            )
-            for i in range(k)
-        ]
-        self.overlap = outer.overlap != "off"
-        self._pending: list[asyncio.Future | None] = [None] * k
-        combine = weighted_average
-        if aggregator is not None:
-            from p2p.compression import SwarmAverage  # pure tensor code, no network
-
-            combine = SwarmAverage(aggregator)
+        self.threads = threads or max(1, torch.get_num_threads() // k)
+        self.workers = workers
+        self.overlap = workers[0].outer_cfg.overlap != "off"
+        self._land_step = workers[0].outer_cfg.land_step
         self.group = InProcessGroup(k, fail=fail, combine=combine)
-        self._members = [self.group.member(i) for i in range(k)]
+        self.members: list[Averager] = [self.group.member(i) for i in range(k)]
         if hostile is not None:
             i, kind = hostile
-            self._members[i] = HostileMember(self._members[i], kind)
+            self.members[i] = HostileMember(self.members[i], kind)
         if wrap is not None:
-            self._members = [wrap(i, m) for i, m in enumerate(self._members)]
+            self.members = [wrap(i, m) for i, m in enumerate(self.members)]
+        self.peers = [SimulatedPeer(self, i) for i in range(k)]
+        self.commits = _Pulse()
+
+    async def committed_to(self, round: int) -> DiLoCoWorker:
+        """A worker whose θ is at ``round`` (waits for one to commit it)."""
+        while True:
+            for w in self.workers:
+                if w.round == round:
+                    return w
+            await self.commits.wait()
+
+    def _set_steps(self, steps: int) -> None:
+        # The fraction land_after of the steps runs before the average lands: at step K+1 of the flight.
+        land_step = round(self.land_after * steps) + 1 if self.overlap else self._land_step
+        for w, p in zip(self.workers, self.peers):
+            if w.outer_cfg.land_step != land_step:
+                w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=land_step)
+            p.steps = steps
+            p.stop_requested = asyncio.Event()  # of this run's event loop (run_sync starts one each time)
 
     async def run(self, rounds: int, steps: int) -> list[dict]:
-        """``rounds`` outer rounds of ``steps`` inner steps each; one record per round."""
+        """``rounds`` outer rounds of ``steps`` inner steps each per worker; one record per
+        round (overlapped: the round whose steps ran, the average of the one before settled)."""
+        self._set_steps(steps)
+        per_peer = await asyncio.gather(*(self._peer_rounds(p, rounds) for p in self.peers))
         records = []
-        for _ in range(rounds):
-            if self.overlap:
-                results = await self._overlapped_round(steps)
-            else:
-                results = await asyncio.gather(
-                    *(run_round(w, m, steps) for w, m in zip(self.workers, self._members))
-                )
-            committed = [ok for _, ok in results]
-            self._resync(committed)
+        for n in range(rounds):
+            rows = [per_peer[i][n] for i in range(len(self.peers))]
             records.append({
-                "round": self.workers[0].round,
-                "mean_loss": sum(s.mean_loss for s, _ in results) / len(results),
-                "eval_loss": self.workers[0].eval_loss(),
-                "hashes": [w.params_hash() for w in self.workers],
-                "committed": committed,
+                "round": rows[0]["round"],
+                "mean_loss": sum(r["loss"] for r in rows) / len(rows),
+                "eval_loss": rows[0]["eval_loss"],
+                "hashes": [r["hash"] for r in rows],
+                "committed": [r["committed"] for r in rows],
             })
         return records
 
-    async def _overlapped_round(self, steps: int) -> list[tuple]:
-        """Each worker's round r+1 inner steps, then round r's average lands (None = no round yet)."""
-        out = await asyncio.gather(*(
-            run_round_overlapped(w, m, steps, p, land_after=round(self.land_after * steps))
-            for w, m, p in zip(self.workers, self._members, self._pending)
-        ))
-        self._pending = [p for _, _, p in out]
-        return [(stats, True if ok is None else ok) for stats, ok, _ in out]
+    async def _peer_rounds(self, peer: SimulatedPeer, rounds: int) -> list[dict]:
+        out = []
+        for _ in range(rounds):
+            outcome = await peer.rounds.one_round()
+            w = peer.worker
+            out.append({"round": w.round, "loss": peer.stats.mean_loss, "hash": w.params_hash(),
+                        # Overlapped, the first round has no average settled yet.
+                        "committed": outcome != BEHIND,
+                        "eval_loss": await peer.compute(w.eval_loss) if peer.index == 0 else None})
+        return out
 
-    async def finish(self) -> list[bool | None]:
-        """Overlapped runs: apply the last round's average on every worker."""
-        done = await asyncio.gather(*(drain(w, p) for w, p in zip(self.workers, self._pending)))
-        self._pending = [None] * len(self.workers)
-        return list(done)
-
-    def _resync(self, committed: list[bool]) -> None:
-        # A worker that missed a round is one round behind; like a peer in the
-        # swarm it downloads the global state from one that committed.
-        if all(committed) or not any(committed):
-            return
-        state = self.workers[committed.index(True)].global_state()
-        for i, (worker, ok) in enumerate(zip(self.workers, committed)):
-            if not ok:
-                worker.load_global_state(state)
-                if self.overlap:
-                    # The others' next round is already in flight: sit it out, receive its
-                    # average, and contribute from the round after (as a re-synced peer does).
-                    self._pending[i] = asyncio.ensure_future(self.group.sit_out(i, worker.round))
+    async def finish(self) -> list[str | None]:
+        """Overlapped runs: the last round's average applied on every worker, local copies from θ."""
+        return list(await asyncio.gather(*(p.rounds.finish(wait=True) for p in self.peers)))
 
     def run_sync(self, rounds: int, steps: int) -> list[dict]:
         """``rounds`` rounds, then (overlapped runs) the last average applied everywhere."""
@@ -133,3 +229,21 @@ class Simulator:
             return records
 
         return asyncio.run(both())
+
+
+class _Pulse:
+    """Wakes every waiter each time it is set (an ``asyncio.Event`` that clears itself)."""
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future] = []
+
+    def set(self) -> None:
+        for f in self._waiters:
+            if not f.done():
+                f.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self) -> None:
+        f = asyncio.get_running_loop().create_future()
+        self._waiters.append(f)
+        await f

@@ -27,7 +27,7 @@ import time
 import torch
 
 from p2p.aggregate import AGGREGATE
-from p2p.compression import PIECE_ELEMS
+from p2p.compression import PIECE_ELEMS, SwarmAverage
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import load_corpus
 from trainer.determinism import seeded_normal_
@@ -83,7 +83,7 @@ def _simulate(args, corpus, aggregator: str, hostile: str | None) -> dict:
     inner = InnerConfig(steps=H, lr=INNER_LR, warmup_steps=min(100, H * R // 10), total_steps=H * R)
     sim = Simulator(args.workers, model=ModelConfig(source="tiny"), data=data, inner=inner,
                     outer=OuterConfig(lr=OUTER_LR, momentum=OUTER_MOMENTUM), corpus=corpus, seed=args.seed,
-                    aggregator=aggregator, hostile=None if hostile is None else (args.workers - 1, hostile))
+                    combine=SwarmAverage(aggregator), hostile=None if hostile is None else (args.workers - 1, hostile))
     started = time.perf_counter()
     losses, diverged = [], None
     for r in range(R):

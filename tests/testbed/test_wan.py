@@ -151,7 +151,7 @@ time.sleep(60)
         pid = int(netprobe._readline(owner, timeout=20))
         owner.kill()  # no teardown runs: only PR_SET_PDEATHSIG stops the delay line
         owner.wait()
-        wait_for(lambda: netbed._start_time(pid) is None, 10, "the orphaned delay line to exit")
+        wait_for(lambda: netbed.start_time(pid) is None, 10, "the orphaned delay line to exit")
     finally:
         if owner.poll() is None:
             owner.kill()

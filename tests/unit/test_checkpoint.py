@@ -1,16 +1,15 @@
 """Checkpoints: a resumed worker is the same run, and a bad or half-written file is handled."""
 
-import asyncio
 import os
 
 import pytest
 import torch
 
-from trainer.averaging import InProcessGroup
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import default_corpus_paths, load_corpus
-from trainer.diloco import DiLoCoWorker, run_round
+from trainer.diloco import DiLoCoWorker
+from trainer.simulator import Simulator
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +30,8 @@ def make_worker(corpus, *, batch_size=4):
 
 
 def rounds(worker, n, steps=4):
-    member = InProcessGroup(1).member(0)
-
-    async def go():
-        for _ in range(n):
-            _, ok = await run_round(worker, member, steps)
-            assert ok
-
-    asyncio.run(go())
+    records = Simulator.of([worker]).run_sync(n, steps)
+    assert all(r["committed"] == [True] for r in records)
 
 
 def test_resumed_worker_continues_the_same_run(corpus, tmp_path):

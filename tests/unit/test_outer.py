@@ -10,7 +10,7 @@ import torch
 from trainer.averaging import InProcessGroup
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import default_corpus_paths, load_corpus
-from trainer.diloco import DiLoCoWorker, run_round
+from trainer.diloco import DiLoCoWorker
 from trainer.outer import OuterOptimizer
 from trainer.simulator import Simulator
 
@@ -36,14 +36,8 @@ def test_one_worker_with_unit_outer_lr_and_no_momentum_is_plain_training(corpus)
     diloco = DiLoCoWorker(**cfg, corpus=corpus, shard_key="w", seed=3)
     plain = DiLoCoWorker(**cfg, corpus=corpus, shard_key="w", seed=3)
     replay = DiLoCoWorker(**cfg, corpus=corpus, shard_key="w", seed=3)
-    member = InProcessGroup(1).member(0)
-
-    async def rounds():
-        for _ in range(4):
-            _, ok = await run_round(diloco, member, 5)
-            assert ok
-
-    asyncio.run(rounds())
+    records = Simulator.of([diloco]).run_sync(4, 5)
+    assert all(r["committed"] == [True] for r in records)
     plain.inner_steps(20)
     # The same training, synchronising by hand: θ ← θ − 1.0 · (θ − θ_local).
     # In fp32 θ − (θ − x) is not always x (the subtraction rounds), so this is
@@ -72,8 +66,8 @@ def test_three_workers_one_round_matches_hand_computation(corpus):
     theta0 = [g.clone() for g in sim.workers[0].global_params]
     deltas, weights = [], []
     for w in sim.workers:
-        def recording(w=w, original=w.pseudo_gradient):
-            d = original()
+        def recording(into=None, w=w, original=w.pseudo_gradient):
+            d = original(into)
             deltas.append([t.clone() for t in d])
             weights.append(float(w.inner_step * 4 * 64))
             return d

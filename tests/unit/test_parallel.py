@@ -130,14 +130,14 @@ def _overlap(rank: int, world: int, mode: str, land_step: int) -> dict:
     delta = worker.pseudo_gradient()
     avg = [d.clone() for d in delta]  # our own Δ stands in for the swarm's average
     worker.start_overlapped(delta)
-    landed, rebase = [], worker._rebase_if_due
+    landed, rebase = [], worker.landing.rebase_if_due
 
     def spy():
-        if worker._rebase_due:
+        if worker.landing.rebase_due:
             landed.append(worker.inner_step)
         rebase()
 
-    worker._rebase_if_due = spy
+    worker.landing.rebase_if_due = spy
     late = rank == (1 if mode == "ddp" else 0)
     if not late:
         worker.apply_outer(avg, reset_local=False)
@@ -145,7 +145,7 @@ def _overlap(rank: int, world: int, mode: str, land_step: int) -> dict:
         worker.inner_steps(4)
     elif mode == "ddp":  # at the third step of the phase, from the trainer's own thread
         def arrive():
-            if worker.inner_step == 4 and not worker._rebase_due and not landed:
+            if worker.inner_step == 4 and not worker.landing.rebase_due and not landed:
                 worker.apply_outer(avg, reset_local=False)
             return False
 

@@ -7,7 +7,6 @@ import pytest
 
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import default_corpus_paths, load_corpus
-from trainer.diloco import run_round
 from trainer.simulator import Simulator
 
 
@@ -63,14 +62,15 @@ def test_worker_resync_by_hand(corpus):
     # Same failure, re-synced explicitly: a worker that missed a round holds the
     # old θ until it loads the global state from a peer.
     sim = make_sim(corpus, fail={(1, 0)})
+    reasons = []
 
-    async def one_round():
-        members = [sim.group.member(i) for i in range(4)]
-        return await asyncio.gather(*(run_round(w, m, 3) for w, m in zip(sim.workers, members)))
+    async def left_behind(reason):  # worker 1 does not re-sync by itself
+        reasons.append(reason)
 
-    results = asyncio.run(one_round())
+    sim.peers[1].resync = left_behind
+    records = sim.run_sync(1, 3)
     w0, w1 = sim.workers[0], sim.workers[1]
-    assert [ok for _, ok in results] == [True, False, True, True]
+    assert records[0]["committed"] == [True, False, True, True] and reasons == ["behind"]
     assert w1.round == 0 and w1.params_hash() != w0.params_hash()
     w1.load_global_state(w0.global_state())
     assert w1.round == 1 and len({w.params_hash() for w in sim.workers}) == 1

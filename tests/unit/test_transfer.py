@@ -238,7 +238,7 @@ async def test_chunks_are_pulled_several_at_a_time_and_a_lying_donor_counts_once
     # donor whose chunks fail their digests is dropped at the first, and the others serve its share.
     import dataclasses
 
-    from p2p import transfer
+    from p2p import stateserver, transfer
     from p2p.commits import CommitLog
     from p2p.transfer import StateServer
     from tests.unit.test_rounds import start_peers, stop_peers
@@ -259,7 +259,7 @@ async def test_chunks_are_pulled_several_at_a_time_and_a_lying_donor_counts_once
             while not all([joiner.peer_id in await d.refresh_peers() for d in (honest, liar)]):
                 await asyncio.sleep(0.05)
         in_flight, most = {"n": 0}, {"n": 0}
-        serve_range = transfer.serve_range
+        serve_range = stateserver.serve_range
 
         asked = {"liar": 0}
 
@@ -274,7 +274,7 @@ async def test_chunks_are_pulled_several_at_a_time_and_a_lying_donor_counts_once
             finally:
                 in_flight["n"] -= snap is good
 
-        monkeypatch.setattr(transfer, "serve_range", counted)
+        monkeypatch.setattr(stateserver, "serve_range", counted)
         download = transfer.StateDownload(joiner, peers[2][2], servers[0].name)
         got = await download.run(5, "g", [honest.peer_id, liar.peer_id], [[1 << 18]])
         assert got.blob == good.blob
