@@ -19,7 +19,9 @@ from p2p.aggregate import counted_tokens
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
-from p2p.transfer import NoChain, Snapshot, StateDownload, StateServer
+from p2p.snapshot import Snapshot
+from p2p.stateserver import StateServer
+from p2p.transfer import NoChain, StateDownload
 from trainer.diloco import DiLoCoWorker
 from trainer.round import ABORTED, BEHIND, COMMITTED, RETRY_SECONDS, PeerRounds
 

@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from p2p.blockcodecs import (CHUNK_ELEMS, DEFAULT_BLOCK_SIZE, SCALE_LIMIT, BlockCodec, FP4Codec, Int4Codec,
-                             Int8Codec, Nibble4Codec)
+from p2p.blockcodecs import FP4Codec, Int4Codec, Int8Codec
 from p2p.codec import Codec, CodecError, all_finite, check_input, check_vector, checked_payload
-# Re-exported: p2p/rounds.py imports error feedback from here (it had no module of its own before).
-from p2p.feedback import ErrorFeedback
 
-__all__ = ["CHUNK_ELEMS", "CODECS", "DEFAULT_BLOCK_SIZE", "SCALE_LIMIT", "BlockCodec", "Codec", "CodecError",
-           "ErrorFeedback", "FP4Codec", "FloatCodec", "Int4Codec", "Int8Codec", "Nibble4Codec", "all_finite",
-           "check_vector", "get_codec"]
+__all__ = ["CODECS", "FloatCodec", "get_codec"]
 
 
 class FloatCodec(Codec):

@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from p2p.codecs import Codec
+from p2p.codec import Codec
 
 _local = threading.local()
 SCRATCH_ELEMS = 1 << 18  # the least a thread's decode scratch holds (one piece: p2p/group.py PIECE_ELEMS)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p.aggregate import capped_weights
-from p2p.codecs import Codec, CodecError
+from p2p.codec import Codec, CodecError
 from p2p.compression import CommittedAverage, average_part, owned_bounds, piece_bounds
 from p2p.contribution import Contribution
 from p2p.digests import DECLARED, digest, input_hash, parse_declaration, piece_digest

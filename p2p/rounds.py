@@ -38,13 +38,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p.codecs import ErrorFeedback, get_codec
+from p2p.codecs import get_codec
 from p2p.commits import CommitLog
 from p2p.compression import CommittedAverage
 from p2p.conduct import Conduct
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
 from p2p.faults import NO_FAULTS, Faults
+from p2p.feedback import ErrorFeedback
 from p2p.gathering import Gathering, Look, Proposal, expected_leader, owners
 from p2p.group import Group, RoundFailed, lanes_for_rtt
 from p2p.hostile import HONEST, Behaviour, corrupt, flood as hostile_flood

@@ -25,12 +25,10 @@ from collections import Counter
 from p2p.config import MIN_STATE_CHUNK_BYTES
 from p2p.commits import CommitCertificate, CommitLog, decode_certs, verify_chain
 from p2p.snapshot import DIGEST_BYTES, Snapshot, digest_of, state_bytes
-# Re-exported: node/loop.py and the tests import the donor's side from here too.
-from p2p.stateserver import ShardStateServer, StateServer
 from p2p.swarm import Swarm, peer_id_from
 from p2p.wire import MAX_PAYLOAD_BYTES, WireError, close_writer, read_frame, write_frame
 
-__all__ = ["NoChain", "ShardStateServer", "Snapshot", "StateDownload", "StateServer"]
+__all__ = ["NoChain", "StateDownload"]
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from p2p.codecs import CODECS, CodecError, ErrorFeedback, FP4Codec, Int4Codec, Int8Codec, get_codec
+from p2p.blockcodecs import FP4Codec, Int4Codec, Int8Codec
+from p2p.codec import CodecError
+from p2p.codecs import CODECS, get_codec
 from p2p.compression import piece_bounds
+from p2p.feedback import ErrorFeedback
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(240)
 CHILD = section("determinism", r"""
 import hashlib
 import torch
-from p2p.codecs import FP4Codec, Int4Codec, Int8Codec, get_codec
+from p2p.blockcodecs import FP4Codec, Int4Codec, Int8Codec
+from p2p.codecs import get_codec
 from p2p.aggregate import norm
 from p2p.compression import average_part
 from trainer.determinism import seeded_normal_

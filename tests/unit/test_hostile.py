@@ -490,7 +490,7 @@ async def test_an_outsider_gets_no_round_or_state_service_from_a_closed_swarm():
     from p2p.membership import new_authority
     from p2p.rounds import RoundProtocol
     from p2p.swarm import Swarm, peer_id_from
-    from p2p.transfer import Snapshot, StateServer
+    from p2p.snapshot import Snapshot; from p2p.stateserver import StateServer
     from p2p.wire import read_frame, write_frame
     from tests.unit.test_rounds import FAST
 

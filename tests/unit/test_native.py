@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from p2p import native
-from p2p.codecs import CodecError, FP4Codec, Int4Codec, Int8Codec
+from p2p.blockcodecs import FP4Codec, Int4Codec, Int8Codec
+from p2p.codec import CodecError
 
 pytestmark = [
     pytest.mark.timeout(120),

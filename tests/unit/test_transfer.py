@@ -7,7 +7,7 @@ import torch
 
 from p2p.peertable import PeerRecord, parse_peer_record
 from p2p.quorum import follow
-from p2p.transfer import Snapshot
+from p2p.snapshot import Snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,7 +73,8 @@ async def serving(peers):
     """A state server on the first of ``peers``, once the second is in its run's table (a donor
     serves only peers it sees there); (server, a download for the second)."""
     from p2p.commits import CommitLog
-    from p2p.transfer import StateDownload, StateServer
+    from p2p.stateserver import StateServer
+    from p2p.transfer import StateDownload
 
     (donor, _, metrics), (joiner, _, joiner_metrics) = peers
     server = StateServer(donor, metrics, CommitLog(donor.scope, "g"))
@@ -240,7 +241,7 @@ async def test_chunks_are_pulled_several_at_a_time_and_a_lying_donor_counts_once
 
     from p2p import stateserver, transfer
     from p2p.commits import CommitLog
-    from p2p.transfer import StateServer
+    from p2p.stateserver import StateServer
     from tests.unit.test_rounds import start_peers, stop_peers
 
     peers = await start_peers(3)
