@@ -1,7 +1,7 @@
 """Who is in a round, and who leads it: pure decisions over one look at the swarm.
 
 A peer that waits for a group of round r looks at the swarm every poll
-(``RoundProtocol._gather``) and asks ``Gathering.decide(now, look)`` what to do:
+(``GroupFormation``, p2p/formation.py) and asks ``Gathering.decide(now, look)`` what to do:
 
 - ``behind``: a majority of the others hold a newer round (``quorum.follow``; once the
   gather has waited ``gather_timeout``, enough of them to be one with us): re-sync;
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2p.group import MAX_LANES, RoundFailed
+from p2p.group import RoundFailed
+from p2p.lanes import MAX_LANES
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
 from p2p.wire import WireError, field as hfield
 
@@ -150,7 +151,7 @@ class Gathering:
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
-    """A leader's ``begin``: the group it proposes (``RoundProtocol._lead`` sends it)."""
+    """A leader's ``begin``: the group it proposes (``GroupFormation.lead`` sends it)."""
 
     round: int
     gid: bytes

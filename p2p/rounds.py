@@ -19,9 +19,9 @@ Every request is checked against the group's member list; libp2p
 authenticates the remote peer id, so a stranger cannot contribute or vote.
 
 ``RoundProtocol`` carries the round out and owns the pieces it decides with:
-``Gathering`` (p2p/gathering.py: who is in the round and who leads, pure
-decisions over a look at the swarm; a member's check of a ``Proposal``),
-``Conduct`` (p2p/conduct.py: strikes, quarantine, refusals, whom to leave out),
+``GroupFormation`` (p2p/formation.py: the wait, ready hints, gather, the leader's
+``begin`` and a member's answer; its decisions are ``Gathering``'s, p2p/gathering.py),
+``Conduct (p2p/conduct.py: strikes, quarantine, refusals, whom to leave out),
 ``VoteExchange`` (p2p/votes.py: votes and aborts between members), and the
 shard's data plane (p2p/shard.py). Test hooks (p2p/faults.py, p2p/hostile.py)
 are handed to its constructor.
@@ -30,9 +30,7 @@ are handed to its constructor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -46,11 +44,9 @@ from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
 from p2p.faults import NO_FAULTS, Faults
 from p2p.feedback import ErrorFeedback
-from p2p.gathering import Gathering, Look, Proposal, expected_leader, owners
-from p2p.group import Group, RoundFailed, lanes_for_rtt
+from p2p.formation import Behind, GroupFormation, Wait
+from p2p.group import Group, RoundFailed
 from p2p.hostile import HONEST, Behaviour, corrupt, flood as hostile_flood
-from p2p.limits import BoundedDict
-from p2p.quorum import live_peers
 from p2p.reachability import Reachability
 from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, combined_digest, guarded, shard_names
 from p2p.signing import CommitSigning
@@ -62,9 +58,6 @@ log = logging.getLogger(__name__)
 
 # The control plane's requests; a shard's all-reduce and audit are its own (p2p/shard.py).
 CONTROL_REQUESTS = ("begin", "vote", "ready", "sign", "refuse", "dialback")
-
-POLL_SECONDS = 0.25
-WAIT_REPORT_SECONDS = 15.0  # how often a long gather says what it is waiting for
 
 
 @dataclass(slots=True)
@@ -81,16 +74,6 @@ class RoundOutcome:
     # Seconds of the attempt's steps after the gather on this peer (``Group.phases``).
     phases: dict[str, float] = field(default_factory=dict)
     owners: list[str] = field(default_factory=list)  # the members that owned a part (empty: all)
-
-
-@dataclass(eq=False)
-class _Waiting:
-    round: int
-    flat: torch.Tensor
-    weight: float
-    group: asyncio.Future
-    state: str = ""  # params_hash of the state the pseudo-gradient was taken from ("": not checked)
-    donated: bool = False  # ``flat`` is the caller's vector, the residual added once (``average``)
 
 
 class RoundProtocol:
@@ -116,8 +99,6 @@ class RoundProtocol:
         # Whom we hold to account and leave out of our groups (p2p/conduct.py).
         self.conduct = Conduct(swarm, metrics, background=self._background,
                                tell=lambda peer, leader: self._call(peer, "refuse", {"leader": leader}))
-        self.min_peers = cfg.min_peers
-        self.gather_timeout = cfg.gather_timeout
         self.deadlines = DeadlinePolicy(ceiling=cfg.round_timeout, floor=min(5.0, cfg.round_timeout))
         self.codec = get_codec(cfg.codec)
         self.request_timeout = cfg.request_timeout
@@ -131,18 +112,15 @@ class RoundProtocol:
                                 deadlines=self.deadlines, request_timeout=cfg.request_timeout)
         # The other ranks' shards of a multi-rank host (node/ranks.py), reduced in the same groups.
         self.shards = None
-        self._waiting: _Waiting | None = None
-        self._waiting_set = asyncio.Event()  # set whenever a new wait for a group starts
-        # Peers that told us directly they are ready for a round (peer -> round).
-        self._ready_hints: BoundedDict = BoundedDict(4096)
-        # Wakes a gather before its next poll: a hint came in, or a group was installed.
-        self._wake = asyncio.Event()
         self.last = RoundOutcome("none")
         self._flood_task: asyncio.Task | None = None
         # Whether peers can dial this node (p2p/reachability.py); asked by the node, answered here.
         self.reachability = Reachability(swarm, lambda peer, header, timeout: self._call(peer, "dialback", header,
                                                                                          timeout),
                                          cfg.request_timeout)
+        # How this peer gets into a group of a round (p2p/formation.py).
+        self.formation = GroupFormation(swarm, self.plane, self.conduct, self.votes, self.reachability, metrics,
+                                        call=self._call, background=self._background)
 
     async def start(self) -> None:
         kernels = getattr(self.codec, "kernels", None)
@@ -150,9 +128,13 @@ class RoundProtocol:
             await asyncio.to_thread(kernels)
         p2p = self.swarm.p2p
         # A begin lists every member; every other request is a handful of fields.
-        await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self._on_begin, max_header=None))
-        for name in CONTROL_REQUESTS[1:]:
-            await p2p.add_binary_stream_handler(self._names[name], self._guard(getattr(self, f"_on_{name}")))
+        await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self.formation.on_begin,
+                                                                              max_header=None))
+        handlers = {"vote": self._on_vote, "ready": self.formation.on_ready, "sign": self._on_sign,
+                    "refuse": self._on_refuse, "dialback": self.reachability.on_dialback}
+        assert set(handlers) == set(CONTROL_REQUESTS[1:])
+        for name, handler in handlers.items():
+            await p2p.add_binary_stream_handler(self._names[name], self._guard(handler))
         await self.plane.start(p2p, self._guard)
         if self.hostile.flood:
             self._flood_task = asyncio.ensure_future(self._flood())
@@ -168,6 +150,9 @@ class RoundProtocol:
     hostile = property(lambda self: self.plane.hostile, lambda self, v: setattr(self.plane, "hostile", v))
     weight_cap = property(lambda self: self.plane.weight_cap, lambda self, v: setattr(self.plane, "weight_cap", v))
     aggregator = property(lambda self: self.plane.aggregator)
+    # The fewest peers a round may have (a test may lower it on a live node); read by the formation.
+    min_peers = property(lambda self: self.formation.min_peers,
+                         lambda self, v: setattr(self.formation, "min_peers", v))
     exchange = property(lambda self: self.plane.exchange)
 
     @property
@@ -206,17 +191,12 @@ class RoundProtocol:
         # Not ready before we know whether peers can dial us (a moment, once: p2p/reachability.py).
         await self.reachability.settled()
         started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        self._waiting = _Waiting(round, flat, float(weight), loop.create_future(), state, donated)
-        self._waiting_set.set()
-        self.swarm.announce(state="ready", round=round)
+        wait = Wait(round, flat, float(weight), asyncio.get_running_loop().create_future(), state, donated)
         try:
-            group = await self._gather(round, started)
-        except _Behind:
+            group = await self.formation.form(wait, started)
+        except Behind:
             self.last = RoundOutcome("behind", "swarm_ahead", gather_seconds=time.monotonic() - started)
             return None
-        finally:
-            self._waiting = None
         gathered = time.monotonic()
         self.metrics.gather_wait_seconds.observe(gathered - started)
         self.metrics.round_members.set(len(group.members))
@@ -285,79 +265,6 @@ class RoundProtocol:
     def _live(self, peers) -> dict:
         return self.conduct.grouping(peers)
 
-    # ---- gather: who is in this round (the decisions: p2p/gathering.py) ---------------
-
-    async def _gather(self, round: int, started: float) -> Group:
-        state = self._waiting.state
-        me = self.swarm.peer_id
-        cfg = self.swarm.config
-        gathering = Gathering(me, round, state, started, min_peers=self.min_peers, gather_timeout=self.gather_timeout,
-                              request_timeout=self.request_timeout, heartbeat_interval=cfg.heartbeat_interval)
-        reported = started
-        self._ready_hints.retain(lambda p, r: r[0] >= round)
-        # Hint at once from the last table read; the fresh read below corrects the guess if needed.
-        hinted_to = self._hint_leader(self.conduct.grouping(self.swarm.peers), round, None)
-        woken = False
-        while True:
-            # Woken by a peer's hint: the table read a moment ago is fresh enough.
-            table = await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0)
-            now = time.monotonic()
-            look = Look(table, self.conduct.grouping(table),
-                        frozenset(p for p, r in self._ready_hints.items() if r == (round, state)),
-                        frozenset(self.conduct.not_vouching(table, now)), self.swarm.table_fresh,
-                        self.reachability.reachable is True)
-            decision = gathering.decide(now, look)
-            if decision.action == "behind":
-                raise _Behind()
-            hinted_to = self._hint_leader(look.grouping, round, hinted_to, decision.ready)
-            if decision.action == "lead" and self.hostile.silent_leader:
-                pass  # test-only: a leader that announces ready and never starts the round
-            elif decision.action == "lead":
-                group = await self._lead(round, decision.ready, decision.owners)
-                if group is not None:
-                    if decision.training:
-                        log.info("round %d starts without %d straggler(s)", round + 1, len(decision.training))
-                        self.metrics.stragglers_excluded.inc(len(decision.training))
-                    return group
-            elif decision.action == "leave_out":
-                leader = decision.leader
-                log.warning("leader %s of round %d never started it; leaving it out", leader[-8:], round)
-                # Out long enough for the others to gather and average without it.
-                self.conduct.suspect(leader, 3 * cfg.heartbeat_interval + self.gather_timeout + self.deadlines.ceiling)
-                self.conduct.offence(leader, "silent_leader")
-            if time.monotonic() - reported > WAIT_REPORT_SECONDS:
-                reported = time.monotonic()
-                log.info("round %d: still gathering after %.0fs: %d ready, %d training, %s, table %s",
-                         round + 1, reported - started, len(decision.ready), len(decision.training),
-                         decision.reason, "fresh" if self.swarm.table_fresh else "stale")
-            if self._waiting.group.done():  # a leader's begin came in while we looked
-                return self._waiting.group.result()
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_SECONDS):
-                    await self._wake.wait()
-            if self._waiting.group.done():
-                return self._waiting.group.result()
-            woken = self._wake.is_set()
-
-    def _owners(self, members, table) -> list[str] | None:
-        """The members of a group of ``members`` that own a part (``gathering.owners``)."""
-        return owners(members, table, self.swarm.peer_id, self.reachability.reachable is True)
-
-    def _hint_leader(self, peers: dict, round: int, hinted_to: str | None, ready=()) -> str | None:
-        """Hint the peer expected to lead ``round`` (unless that is us or it was hinted already); returns it."""
-        expected = expected_leader(self.swarm.peer_id, round, peers, ready, self.reachability.reachable is True)
-        if expected != self.swarm.peer_id and expected != hinted_to:
-            self._hint(expected, round)
-            return expected
-        return hinted_to
-
-    def _hint(self, peer: str, round: int) -> None:
-        """Tell ``peer`` (the expected leader) that we are ready for ``round``; best effort, in the
-        background (the DHT poll still gets the news to the leader)."""
-        state = self._waiting.state if self._waiting is not None else ""
-        self._background(self._call(peer, "ready", {"r": round, "h": state}))
-
     def _background(self, call) -> None:
         """Run a best-effort request in the background (kept until done, errors logged at debug)."""
         async def run():
@@ -370,60 +277,9 @@ class RoundProtocol:
         self._background_tasks.add(task)
         task.add_done_callback(self._background_tasks.discard)
 
-    async def _lead(self, round: int, members: list[str], owners: list[str] | None = None) -> Group | None:
-        """Propose the group to every member; all must accept or the attempt is cancelled.
-        ``owners``: the members that own a part (``_owners``; None: all)."""
-        waiting = self._waiting
-        if waiting.group.done():
-            return waiting.group.result()
-        others = [p for p in members if p != self.swarm.peer_id]
-        # As many lanes as the farthest member's round-trip time asks for (group.lanes_for_rtt).
-        lanes = lanes_for_rtt(self._farthest(members))
-        group = self._new_group(os.urandom(16), round, members, waiting, lanes, owners)
-        self._install(group)
-        waiting.group.set_result(group)
-        for p in members:  # a hint counts once: after this attempt a member is ready again only when it says so
-            self._ready_hints.pop(p, None)
-        header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
-                  "codec": self.codec.name, "h": waiting.state, "lanes": lanes,
-                  **({"owners": owners} if owners else {})}
-        results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
-        refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
-        if not refused:
-            return group
-        for p, res in zip(others, results):
-            if p in refused:
-                silent = isinstance(res, BaseException)
-                self.conduct.suspect(p, None if silent else POLL_SECONDS * 4)
-                log.info("round %d: %s %s the group", round + 1, p[-8:],
-                         "did not answer" if silent else f"refused ({str(res[0].get('reason'))[:40]})")
-        await self.votes.abort(group, "member_refused", members.index(refused[0]))
-        self._leave(group)
-        self.metrics.rounds_aborted.labels(reason="member_refused").inc()
-        self._waiting = _Waiting(round, waiting.flat, waiting.weight, asyncio.get_running_loop().create_future(),
-                                 waiting.state, waiting.donated)
-        self._waiting_set.set()
-        return None
-
-    def _new_group(self, gid: bytes, round: int, members: list[str], waiting: _Waiting, lanes: int,
-                   owners: list[str] | None) -> Group:
-        group = self.plane.new_group(gid, round, members, waiting.flat, waiting.weight,
-                                     residual_added=waiting.donated, lanes=lanes, owners=owners)
-        group.rtt = self._farthest(members)  # deadlines grow with it (p2p/deadline.py)
-        return group
-
-    def _farthest(self, members) -> float | None:
-        """The longest round-trip time we measured to another of ``members`` (None: none measured)."""
-        return max((r for p in members if p != self.swarm.peer_id and (r := self.dial.rtt(p)) is not None),
-                   default=None)
-
     def _leave(self, group: Group) -> None:
         """The attempt is over: requests naming it are answered at once from now on."""
         self.plane.leave(group)
-
-    def _install(self, group: Group) -> None:
-        self.plane.install(group)
-        self._wake.set()
 
     # ---- all-reduce and vote ----------------------------------------------------------
 
@@ -464,60 +320,6 @@ class RoundProtocol:
     async def _group_for(self, sender: str, header: dict) -> tuple[Group, int]:
         return await self.plane.group_for(sender, header)
 
-    async def _on_begin(self, sender: str, header: dict, reader, writer) -> None:
-        begin = Proposal.parse(sender, header, self.swarm.peer_id)
-        if self.conduct.quarantine.quarantined(sender, time.monotonic()):
-            await reply(writer, {"ok": False, "reason": "quarantined"})
-            self.conduct.tell_refused(sender, begin.round, begin.members)
-            return
-        if sender in self.conduct.shunned(self.swarm.peers, time.monotonic()):
-            await reply(writer, {"ok": False, "reason": "shunned"})
-            return
-        waiting = await self._waiting_for(begin.round)
-        if waiting is None:
-            await reply(writer, {"ok": False, "reason": "not_waiting"})
-            return
-        refused = begin.refusal(numel=waiting.flat.numel(), state=waiting.state, codec=self.codec.name,
-                                live=live_peers(self.swarm.peers, self.swarm.peer_id), min_peers=self.min_peers)
-        if refused:
-            if refused == "no_quorum":
-                log.info("round %d: refusing a group of %d from %s: %s", begin.round + 1, len(begin.members),
-                         sender[-8:], refused)
-            await reply(writer, {"ok": False, "reason": refused})
-            return
-        group = self._new_group(begin.gid, begin.round, begin.members, waiting, begin.lanes, begin.owners)
-        self._install(group)
-        waiting.group.set_result(group)
-        await reply(writer, {"ok": True})
-
-    async def _waiting_for(self, round: int) -> _Waiting | None:
-        """Our wait for a group of ``round``, if we are in one or about to be: a member whose last
-        attempt just ended is on its way back (a moment), and a leader that was told at once
-        would otherwise call its group off for that moment."""
-        deadline = time.monotonic() + min(1.0, self.request_timeout / 4)
-        while True:
-            waiting = self._waiting
-            if waiting is not None and waiting.round == round and not waiting.group.done():
-                return waiting
-            if waiting is not None and (waiting.round != round or waiting.group.done()):
-                return None  # at another round, or in another group already
-            self._waiting_set.clear()
-            try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    await self._waiting_set.wait()
-            except TimeoutError:
-                return None
-
-    async def _on_ready(self, sender: str, header: dict, reader, writer) -> None:
-        round, state = hfield(header, "r", int), header.get("h", "")
-        if not isinstance(state, str) or len(state) > 128:
-            raise WireError("bad_field", "h")
-        # One hint per peer (its latest), at most 4096 peers; only for the round we wait in.
-        if round >= 0 and (self._waiting is None or round >= self._waiting.round):
-            self._ready_hints[sender] = (round, state)
-            self._wake.set()
-        await reply(writer, {"ok": True})
-
     async def _on_vote(self, sender: str, header: dict, reader, writer) -> None:
         if "abort" in header and self.plane.ended(hfield(header, "g", bytes)):  # it ended here too: nothing to undo
             await reply(writer, {"ok": True})
@@ -525,9 +327,6 @@ class RoundProtocol:
         group, index = await self._group_for(sender, header)
         self.votes.received(group, sender, index, header)
         await reply(writer, {"ok": True})
-
-    async def _on_dialback(self, sender: str, header: dict, reader, writer) -> None:
-        await self.reachability.on_dialback(sender, header, reader, writer)
 
     async def _on_sign(self, sender: str, header: dict, reader, writer) -> None:
         """A member's signature on the certificate of a round we committed together (p2p/signing.py)."""
@@ -547,7 +346,3 @@ class RoundProtocol:
     def certify(self, prev: str, new: str):
         """After the last committed round is applied: sign its certificate (p2p/signing.py)."""
         return self.signing.certify(prev, new)
-
-
-class _Behind(Exception):
-    pass

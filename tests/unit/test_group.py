@@ -11,7 +11,8 @@ import p2p.group
 from p2p.codecs import get_codec
 from p2p.compression import flatten, owned_bounds, part_bounds
 from p2p.digests import digest, piece_digest
-from p2p.group import Group, RoundFailed, lanes_for_rtt
+from p2p.group import Group, RoundFailed
+from p2p.lanes import lanes_for_rtt
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,14 +7,15 @@ import time
 import pytest
 import torch
 
+import p2p.formation
 import p2p.group
 from node.metrics import NodeMetrics
 from p2p.config import SwarmConfig
 from p2p.codecs import get_codec
+from p2p import gathering
 from p2p.compression import average_part, part_bounds, piece_bounds
 from p2p.group import Group
 from p2p.quarantine import Quarantine
-import p2p.rounds
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
 from p2p.wire import WireError, write_frame
@@ -132,7 +133,7 @@ async def test_stranger_and_garbage_are_refused_and_counted():
         # a and b form a group; the stranger tries to vote in it.
         members = sorted([a.peer_id, b.peer_id])
         group = Group(os.urandom(16), 0, members, a.peer_id, torch.zeros(8), 1.0, get_codec("fp32"))
-        ra._install(group)
+        ra.plane.install(group)
         reply, _ = await rs._call(a.peer_id, "vote", {"g": group.id, "digest": b"x" * 16})
         assert reply == {"ok": False, "reason": "not_a_member"}
         assert rejected(ma, "not_a_member") == 1
@@ -384,7 +385,7 @@ async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason,
 async def test_a_ready_hint_starts_the_round_before_the_leaders_next_poll(monkeypatch):
     # The leader polls the peer table every POLL_SECONDS; the others tell it directly that
     # they are ready, so it starts the round as soon as the last of them is.
-    monkeypatch.setattr(p2p.rounds, "POLL_SECONDS", 20.0)
+    monkeypatch.setattr(p2p.formation, "POLL_SECONDS", 20.0)
     peers = sorted(await start_peers(3, min_peers=3), key=lambda p: p[0].peer_id)
     try:
         for swarm, _, _ in peers:
@@ -392,7 +393,7 @@ async def test_a_ready_hint_starts_the_round_before_the_leaders_next_poll(monkey
         (_, leader, _), *others = peers
         leading = asyncio.ensure_future(leader.average([torch.ones(4)], 1.0, 0))
         for _ in range(100):  # the leader has read the table: the others are still training
-            if leader._waiting is not None and leader.swarm.peers:
+            if leader.formation.waiting is not None and leader.swarm.peers:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
@@ -412,11 +413,11 @@ async def test_a_ready_hint_counts_for_one_attempt_only():
     (a, ra, _), (b, rb, _) = peers
     try:
         await a.refresh_peers()
-        ra._ready_hints[b.peer_id] = 0
-        ra._waiting = p2p.rounds._Waiting(0, torch.zeros(4), 1.0, asyncio.get_running_loop().create_future())
-        assert await ra._lead(0, sorted([a.peer_id, b.peer_id])) is None  # b is not waiting: it refuses
-        assert b.peer_id not in ra._ready_hints
-        ra._waiting = None
+        ra.formation.hints[b.peer_id] = 0
+        ra.formation.waiting = p2p.formation.Wait(0, torch.zeros(4), 1.0, asyncio.get_running_loop().create_future())
+        assert await ra.formation.lead(0, sorted([a.peer_id, b.peer_id])) is None  # b is not waiting: it refuses
+        assert b.peer_id not in ra.formation.hints
+        ra.formation.waiting = None
         # Both enter the round: b hints again, and the round commits.
         res = await asyncio.wait_for(asyncio.gather(ra.average([torch.ones(3)], 1.0, 0),
                                                     rb.average([torch.zeros(3)], 1.0, 0)), 30)
@@ -477,7 +478,7 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
         tensors = _views(mine, shapes)
         alone = asyncio.ensure_future(a.average(tensors, 1.0, 1, donate=True))  # waits for the others...
         for _ in range(600):
-            if a._waiting is not None:  # its input is ready: it waits for a group
+            if a.formation.waiting is not None:  # its input is ready: it waits for a group
                 break
             await asyncio.sleep(0.05)
         compensated = before + residual
@@ -510,7 +511,7 @@ async def test_a_donated_pseudo_gradient_is_the_rounds_buffer_and_takes_the_resi
             s.announce(state="training", round=2)
         again = asyncio.ensure_future(a.average(tensors, 1.0, 2, donate=True))
         for _ in range(600):
-            if a._waiting is not None:
+            if a.formation.waiting is not None:
                 break
             await asyncio.sleep(0.05)
         assert torch.equal(mine, held) and a.feedback.holding and a.delta_target() is None
@@ -565,7 +566,8 @@ async def test_members_that_cannot_dial_each_other_own_no_part_and_never_meet():
         assert tried == [], [(by_id[a], by_id[b], name) for a, b, name in tried]
         # Every round in the table's view: the owners were the two dialable peers.
         owners = sorted(s.peer_id for s, _, _ in peers[:2])
-        assert all(r._owners([s.peer_id for s, _, _ in peers], r.swarm.peers) == owners for _, r, _ in peers)
+        assert all(gathering.owners([s.peer_id for s, _, _ in peers], r.swarm.peers, r.swarm.peer_id,
+                                    r.reachability.reachable is True) == owners for _, r, _ in peers)
         assert all(r.last.owners == owners for _, r, _ in peers)
     finally:
         await stop_peers(peers)
