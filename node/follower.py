@@ -231,7 +231,7 @@ class RankFollower:
 
     async def _op_reduce(self, h: dict) -> dict:
         """Our shard in the group rank 0 formed: its digest, or why it failed."""
-        from p2p.group import RoundFailed
+        from p2p.failure import RoundFailed
 
         gid = h["g"]
         group = self.plane.new_group(gid, int(h["r"]), list(h["members"]), self.flat, float(h["w"]),

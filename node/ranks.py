@@ -23,7 +23,8 @@ import itertools
 import logging
 import os
 
-from p2p.group import Group, RoundFailed
+from p2p.failure import RoundFailed
+from p2p.group import Group
 from p2p.wire import WireError, close_writer, read_frame, write_frame
 from trainer.diloco import DiLoCoWorker, InnerStats
 

@@ -4,9 +4,9 @@ In the butterfly all-reduce each member owns one part and sends every other
 member the average of that part. An owner could send a finite but altered
 average and nobody would notice: the vote only checks that every member got
 the same bytes. So before it votes, every member audits one randomly chosen
-piece of the previous member's part (``Group.audit_target``): it asks every
+piece of the previous member's part (``OwnerAudit.target``, p2p/owneraudit.py): it asks every
 member for its input to that piece, recomputes the piece as the owner must
-have (``Group.audit``: each input against the hash declared for it, which is
+have (``OwnerAudit.recompute``: each input against the hash declared for it, which is
 part of the vote) and compares. On a mismatch the attempt fails before
 anything is applied; if the owner is the one shown lying, the auditor sends
 the inputs to every member as evidence, and each checks it alone: it
@@ -19,7 +19,8 @@ import asyncio
 from typing import Awaitable, Callable
 
 from p2p.exchange import off_loop
-from p2p.group import Group, RoundFailed
+from p2p.failure import RoundFailed
+from p2p.group import Group
 from p2p.limits import BoundedDict
 from p2p.wire import WireError, field as hfield, read_frame, reply, write_frame
 
@@ -49,7 +50,7 @@ class PartAudit:
 
     async def check_when_placed(self, group: Group, others: list[str], deadline: float) -> None:
         """``check``, as soon as the part it samples is in: while the other parts still arrive."""
-        owner = group.audited_owner()
+        owner = group.audit.owner()
         for k in range(len(group.pieces[owner]) if owner is not None else 0):
             await group.placed(owner, k, deadline)
         await self.check(group, others)
@@ -57,7 +58,7 @@ class PartAudit:
     async def check(self, group: Group, others: list[str]) -> None:
         """Recompute this member's sampled piece from every member's input; raise RoundFailed
         (and blame whom it shows lying) unless it matches what the owner sent."""
-        target = group.audit_target()
+        target = group.audit.target()
         if target is None:
             return
         index, k = target
@@ -83,7 +84,7 @@ class PartAudit:
             return b"".join(await asyncio.gather(*(fetch_range(i, o, n) for o, n in ranges)))
 
         payloads = await asyncio.gather(*(fetch(i) for i in range(len(group.members))))
-        culprit = await off_loop(group.audit, index, k, payloads)
+        culprit = await off_loop(group.audit.recompute, index, k, payloads)
         if culprit is None:
             return
         peer = group.members[int(culprit)]
@@ -92,7 +93,7 @@ class PartAudit:
         group.fail("audit_failed", peer[-8:])
         self._reject("audit_failed", f"piece {k} of {group.members[index][-8:]}'s part, by {peer[-8:]}")
         if int(culprit) == index:  # the owner: every member can check the evidence itself
-            header = {"g": group.id, "j": index, "k": k, "d": group.declared[index][k]}
+            header = {"g": group.id, "j": index, "k": k, "d": group.audit.declared[index][k]}
             evidence = b"".join(payloads)
             await asyncio.gather(*(self._send(p, "evidence", header, evidence) for p in others),
                                  return_exceptions=True)
@@ -118,7 +119,7 @@ class PartAudit:
         await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout)
         payload = await off_loop(group.contribution, j, k)
         try:
-            await off_loop(group.check_own_input, j, k, payload)
+            await off_loop(group.audit.check_own_input, j, k, payload)
         except RoundFailed as e:
             self._reject(e.reason, str(e))
             group.blame.setdefault(group.members[j], e.reason)
@@ -152,7 +153,7 @@ class PartAudit:
         j, k = self._piece(group, header)
         declared = hfield(header, "d", bytes)
         await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout)
-        if declared != group.declared[j][k]:  # the owner told us otherwise, or the accuser lies: no blame
+        if declared != group.audit.declared[j][k]:  # the owner told us otherwise, or the accuser lies: no blame
             group.fail("digest_mismatch", f"declarations of piece {k} of {group.members[j][-8:]}'s part differ")
             await reply(writer, {"ok": True})
             return
@@ -162,7 +163,7 @@ class PartAudit:
         if len(payload) != size * len(group.members):
             raise WireError("bad_size", "evidence")
         payloads = [payload[i * size:(i + 1) * size] for i in range(len(group.members))]
-        culprit = await off_loop(group.audit, j, k, payloads)
+        culprit = await off_loop(group.audit.recompute, j, k, payloads)
         owner = group.members[j]
         if culprit is not None and int(culprit) == j:
             self._reject("audit_failed", f"piece {k} of {owner[-8:]}'s part, shown by {sender[-8:]}")

@@ -24,7 +24,8 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from p2p.group import Group, RoundFailed
+from p2p.failure import RoundFailed
+from p2p.group import Group
 from p2p.limits import BoundedDict
 from p2p.quarantine import UNREACHABLE, Quarantine, Refusals
 from p2p.quorum import live_peers, shunned
@@ -124,9 +125,9 @@ class Conduct:
         and whoever started the aborts it got (a strike; quarantine if it started those of our
         attempt before too: ``Quarantine.attempt_over``). Returns them."""
         blamed = dict(group.blame)
-        starter = group.abort_starter()
-        reason = group.aborts.get(starter, "")
-        culprit = group.abort_culprit(starter)
+        starter = group.aborts.starter()
+        reason = group.aborts.reason(starter)
+        culprit = group.aborts.named(starter)
         offence = self.quarantine.attempt_over(starter, culprit is not None, time.monotonic(), reason)
         if reason == UNREACHABLE and culprit is not None:  # p2p/quarantine.py: out of the retry, both
             for peer in (starter, culprit):

@@ -21,8 +21,9 @@ import logging
 
 import torch
 
+from p2p.failure import RoundFailed
 from p2p.faults import NO_FAULTS, Faults
-from p2p.group import Group, RoundFailed
+from p2p.group import Group
 from p2p.wire import SMALL_HEADER_BYTES, WireError, close_writer, field as hfield, read_frame, reply, write_frame
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class PartExchange:
                 declared = header.get("in")
                 if not isinstance(declared, bytes):
                     raise RoundFailed("owner_misreported", "no declaration of the piece's inputs")
-                group.check_declaration(j, k, declared)
+                group.audit.check_declaration(j, k, declared)
                 await off_loop(group.place_piece, j, k, payload, declared)
                 group.wake()  # for whoever waits on the piece (an audit, evidence)
             except (WireError, RoundFailed) as e:
@@ -117,7 +118,7 @@ class PartExchange:
 
     async def _add_piece(self, group: Group, sender: int, k: int, values: torch.Tensor | bytes) -> None:
         """Store a piece of our part; the contribution that completes piece k averages it."""
-        if group.add_piece(sender, k, values):
+        if group.part.add_piece(sender, k, values):
             try:
                 group.set_reduced(k, await off_loop(group.reduce_piece, k))
             except RoundFailed as e:  # not the sender's fault: fail the round, not the stream
@@ -132,7 +133,7 @@ class PartExchange:
         try:
             if hfield(header, "numel", int) != group.flat.numel() or nbytes != group.wire_bytes(group.index):
                 raise RoundFailed("bad_size")
-            group.add_lane(index, lane, weight)
+            group.part.add_lane(index, lane, weight)
         except RoundFailed as e:
             group.blame.setdefault(group.members[index], e.reason)
             group.fail(e.reason)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2p.group import RoundFailed
+from p2p.failure import RoundFailed
 from p2p.lanes import MAX_LANES
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
 from p2p.wire import WireError, field as hfield

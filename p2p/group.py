@@ -22,26 +22,31 @@ The tensor work (``encode_piece``, ``check_piece``, ``reduce_piece``,
 touches disjoint slices, so the round protocol runs it in worker threads (torch
 releases the GIL) while the event loop keeps the streams moving; all
 bookkeeping stays on the event loop. ``p2p/votes.py`` carries the vote and the
-aborts between members; this class holds what they decide on.
+aborts between members; this class holds what they decide on, with the pieces
+it owns: ``OwnedPart`` (p2p/ownedpart.py: the inputs to our own part as they
+come), ``OwnerAudit`` (p2p/owneraudit.py: the owners' declarations and the
+audit's recompute) and ``Aborts`` (p2p/aborts.py: who started the aborts).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from p2p.aborts import Aborts
 from p2p.aggregate import capped_weights
 from p2p.codec import Codec, CodecError
 from p2p.compression import CommittedAverage, average_part, owned_bounds, piece_bounds
 from p2p.contribution import Contribution
-from p2p.digests import DECLARED, digest, input_hash, parse_declaration, piece_digest
+from p2p.digests import digest, piece_digest
+from p2p.failure import RoundFailed
 from p2p.hostile import HONEST, Behaviour
 from p2p.lanes import LANES, MAX_LANES
+from p2p.ownedpart import OwnedPart
+from p2p.owneraudit import OwnerAudit
 
 # Values per piece (rounded down to whole codec blocks): 1 MB of fp32, 256 KB
 # of int8, 128 KB of a 4-bit codec. Measured on the 4-host 100 Mbit/s testbed
@@ -49,16 +54,6 @@ from p2p.lanes import LANES, MAX_LANES
 # less left to do after the last input arrives); 2^16 cost ~35% more CPU per
 # sync for no clear gain on two shared cores.
 PIECE_ELEMS = 1 << 18
-
-
-class RoundFailed(Exception):
-    """The group cannot commit; ``reason`` is a metric label, ``peer`` the member it failed on
-    where the raiser knows it (one it could not dial)."""
-
-    def __init__(self, reason: str, detail: str = "", peer: str | None = None) -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.peer = peer
 
 
 @dataclass(eq=False)
@@ -96,9 +91,6 @@ class Group:
     deadline: float = 0.0  # loop time by which the exchange must be over (set when it starts)
     # Members whose input (or, as owners, whose output) this peer refused: member -> reason.
     blame: dict[str, str] = field(default_factory=dict)
-    # Members that sent an abort while this peer had no failure of its own: member -> its reason.
-    aborts: dict[str, str] = field(default_factory=dict)
-    _named: dict[str, str | None] = field(default_factory=dict)  # member -> the culprit its abort named
     # When this attempt reached each step on this peer (time.monotonic): "exchanged" (every part
     # placed), "audited" (this member's audit clean too), "voted" (every vote in). See ``phases``.
     marks: dict[str, float] = field(default_factory=dict)
@@ -117,12 +109,8 @@ class Group:
         # Our vector and what encoding it leaves (p2p/contribution.py); ``sent`` is the buffer it uses.
         self.mine = Contribution(self.flat, self.codec, self.residual, self.sent, self.bounds[self.index])
         self.sent = self.mine.sent
-        self.weights: dict[int, float] = {}
-        self._lanes_in: set[tuple[int, int]] = set()  # (sender, lane) streams that reached us
-        own = len(self.pieces[self.index])
-        # Per piece of our part: sender index -> its input (values, or a checked payload), until the piece is averaged.
-        self._inputs: list[dict[int, torch.Tensor | bytes]] = [{} for _ in range(own)]
-        self.reduced: list[bytes | None] = [None] * own  # the encoded average of each piece of our part
+        # The inputs to our own part as they come, and its averaged pieces (p2p/ownedpart.py).
+        self.part = OwnedPart(len(self.members), self.pieces[self.index], self.lanes(self.index))
         # piece_digest of every averaged piece of every part, filled as they are placed.
         self._placed: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
         # The averaged pieces as their owners encoded them (checked), until the round commits:
@@ -131,14 +119,14 @@ class Group:
         # 4-bit codec) instead of a second fp32 vector; ``flat`` must stay whole until then,
         # for audits and for a retry if the attempt fails.
         self._averaged: list[list[bytes | bytearray | None]] = [[None] * len(p) for p in self.pieces]
-        # What each owner declared of each averaged piece's inputs (for the audit).
-        self.declared: list[list[bytes | None]] = [[None] * len(p) for p in self.pieces]
-        # Per piece of our part: sender index -> input_hash of its encoded piece.
-        self._input_hashes: list[dict[int, bytes]] = [{} for _ in range(own)]
-        self.reduced_declared: list[bytes | None] = [None] * own
-        self._reduced_count = 0
+        # The owners' declarations of each averaged piece's inputs, and our audit of one owner.
+        self.audit = OwnerAudit(len(self.members), self.index, self.owns, self.pieces, self._placed,
+                                codec=self.codec, weight=self.claimed_weight, weight_cap=self.weight_cap,
+                                aggregate=self.aggregate)
+        # Members that sent an abort while this peer had no failure of its own (p2p/aborts.py).
+        self.aborts = Aborts(self.members)
         self._changed = asyncio.Event()
-        self.add_weight(self.index, self.weight)
+        self.part.add_weight(self.index, self.weight)
 
     @property
     def in_place(self) -> bool:
@@ -156,15 +144,6 @@ class Group:
 
     def owner_indices(self) -> list[int]:
         return [i for i, owns in enumerate(self.owns) if owns]
-
-    def audited_owner(self) -> int | None:
-        """The member whose part this member audits: the previous owner, in member order, if this
-        member owns a part itself (a member that owns none may not be able to dial every other
-        member, which an audit does). None in a group with a single owner."""
-        ring = self.owner_indices()
-        if not self.owns[self.index] or len(ring) < 2:
-            return None
-        return ring[ring.index(self.index) - 1]
 
     def voters(self) -> list[int]:
         """The members whose votes this member waits for: all, if it owns a part; the owners
@@ -213,7 +192,7 @@ class Group:
         except CodecError as e:  # our own pseudo-gradient holds NaN or Inf: nobody may average it
             raise RoundFailed(e.reason) from None
         if index == self.index:  # our own entry of our own declaration (the others' we check if audited)
-            self._input_hashes[k][self.index] = input_hash(payload)
+            self.part.hashed(k, self.index, payload)
         return payload
 
     def own_input(self, k: int, payload: bytes | None = None) -> torch.Tensor | bytes:
@@ -240,47 +219,23 @@ class Group:
         (1 byte per value for int8) instead of 4."""
         self._check(self.index, k, data)
         if sender is not None:
-            self._input_hashes[k][sender] = input_hash(data)
+            self.part.hashed(k, sender, data)
         return data
 
     def effective_weights(self) -> list[float]:
         """Every member's weight as the average counts it (``capped_weights``)."""
-        return capped_weights([self.weights[i] for i in range(len(self.members))], self.weight_cap)
+        return capped_weights([self.part.weights[i] for i in range(len(self.members))], self.weight_cap)
 
     def declaration(self, k: int) -> bytes:
-        """What the owner declares of piece ``k``'s inputs: every member's weight and input hash, in
-        member order. It travels with the averaged piece and is part of the vote."""
-        hashes = self._input_hashes[k]
-        return b"".join(DECLARED.pack(self.weights[i], hashes[i]) for i in range(len(self.members)))
-
-    def check_declaration(self, index: int, k: int, declared: bytes) -> None:
-        """A member's check of an owner's declaration as it arrives: well formed, our own weight.
-        Our own input's hash in it matters only to an audit of the piece: checked then
-        (``check_own_input``), not hashed for every piece we send."""
-        if len(declared) != DECLARED.size * len(self.members):
-            raise RoundFailed("owner_misreported", "declaration of the wrong size")
-        weight, _ = DECLARED.unpack_from(declared, DECLARED.size * self.index)
-        if weight != self.claimed_weight:
-            raise RoundFailed("owner_misreported", f"our weight for piece {k} of part {index}")
-
-    def check_own_input(self, index: int, k: int, payload: bytes) -> None:
-        """Before our input to piece ``k`` of part ``index`` goes to its auditor (``payload``, the
-        bytes we sent the owner): the owner's declaration, which every member votes on, records
-        it. Otherwise the owner lied about it, and the audit would blame us."""
-        declared = self.declared[index][k]
-        assert declared is not None, "the piece's declaration is placed before it is audited"
-        _, hashed = DECLARED.unpack_from(declared, DECLARED.size * self.index)
-        if hashed != input_hash(payload):
-            raise RoundFailed("owner_misreported", f"our input to piece {k} of part {index}")
-
-    parse_declaration = staticmethod(parse_declaration)
+        """What we, the owner, declare of piece ``k``'s inputs (``OwnedPart.declaration``)."""
+        return self.part.declaration(k)
 
     def reduce_piece(self, k: int) -> bytes:
         """Weighted mean of piece ``k`` of our part in member order, encoded once; placed in our result
         as every other member will decode it."""
         start, end = self.pieces[self.index][k]
         inputs = [x if isinstance(x, torch.Tensor) else self.codec.decode(x, end - start)  # checked when it came
-                  for x in (self._inputs[k][i] for i in range(len(self.members)))]
+                  for x in self.part.inputs(k)]
         weights = self.effective_weights()
         data = self.aggregate([(weights[i], inputs[i]) for i in range(len(self.members))])
         if self.hostile.alter_slice:  # test-only: an owner that returns a finite but wrong average
@@ -288,7 +243,7 @@ class Group:
             data = self.codec.encode(self.codec.decode(data, end - start).neg_().mul_(10.0))
         declared = self.declaration(k)
         self.place_piece(self.index, k, data, declared)
-        self.reduced_declared[k] = declared
+        self.part.declared[k] = declared
         return data
 
     def aggregate(self, contributions: list[tuple[float, torch.Tensor]]) -> bytes:
@@ -304,7 +259,7 @@ class Group:
         self._check(index, k, data)
         self._averaged[index][k] = data
         self._placed[index][k] = piece_digest(data, declared)
-        self.declared[index][k] = declared or None
+        self.audit.place(index, k, declared)
 
     def committed_average(self, like: list[torch.Tensor], out: torch.Tensor | None = None) -> CommittedAverage:
         """The average, shaped like ``like``, decoded as it is read (``CommittedAverage``): into
@@ -320,43 +275,11 @@ class Group:
         self._averaged = [[None] * len(p) for p in self.pieces]
         return CommittedAverage(self.codec, pieces, encoded, like, out)
 
-    # ---- audit: a sampled piece of another member's part, recomputed ----------------
-
-    def audit_target(self) -> tuple[int, int] | None:
-        """The (part, piece) this member audits: a random piece of the previous owner's part
-        (``audited_owner``), drawn once that owner has sent every piece (so it cannot know which
-        one). None in a group of one, for a member that owns no part, or if that part is empty."""
-        owner = self.audited_owner()
-        if owner is None or not self.pieces[owner]:
-            return None
-        assert all(d is not None for d in self._placed[owner]), "audit before the owner's part is in"
-        return owner, int.from_bytes(os.urandom(8), "big") % len(self.pieces[owner])
+    # ---- waiting on the exchange -------------------------------------------------
 
     async def placed(self, index: int, k: int, deadline: float) -> None:
         """Return once piece ``k`` of part ``index`` is placed here."""
         await self._wait(lambda: self._placed[index][k] is not None, deadline)
-
-    def audit(self, index: int, k: int, payloads: list[bytes]) -> str | None:
-        """Recompute piece ``k`` of part ``index`` from every member's encoded input and the
-        owner's declared weights; the member index at fault, as text, or None if all is well.
-
-        An input whose hash differs from the declaration (every member checked its own entry and
-        voted on the declaration) is a member lying to us; an average that differs is the owner's."""
-        declared = self.parse_declaration(self.declared[index][k])
-        for i, (payload, (_, hashed)) in enumerate(zip(payloads, declared)):
-            if input_hash(payload) != hashed:
-                return str(i)
-        start, end = self.pieces[index][k]
-        raw = [w for w, _ in declared]
-        weights = capped_weights(raw, self.weight_cap)
-        try:
-            values = [self.codec.decode(p, end - start) for p in payloads]
-        except CodecError:
-            return str(index)  # the owner declared (and averaged) an input that does not decode
-        data = self.aggregate(list(zip(weights, values)))
-        if piece_digest(data, self.declared[index][k]) != self._placed[index][k]:
-            return str(index)
-        return None
 
     def digest(self) -> bytes:
         """The vote: ``digest`` of the whole averaged vector; every piece must have been placed."""
@@ -372,10 +295,7 @@ class Group:
         unless that failure came from ``member`` itself (it dropped our stream, then said why).
         ``culprit``: the index of the member it says it failed on, if it named one."""
         if self.failure is None or self.failure.reason == "aborted_by_peer" or self.failed_by == member:
-            self.aborts.setdefault(member, reason)
-            named = (isinstance(culprit, int) and not isinstance(culprit, bool)
-                     and 0 <= culprit < len(self.members) and self.members[culprit] != member)
-            self._named.setdefault(member, self.members[culprit] if named else None)
+            self.aborts.add(member, reason, culprit)
         self.fail("aborted_by_peer", reason)
 
     def culprit(self, reason: str) -> int | None:
@@ -393,9 +313,9 @@ class Group:
         for j in others:  # an averaged part, an input to our own part, a vote not yet here
             if any(d is None for d in self._placed[j]):
                 return j
-        for k, inputs in enumerate(self._inputs):
-            if self.reduced[k] is None:
-                return next((j for j in others if j not in inputs), None)
+        inputs = self.part.unreduced()
+        if inputs is not None:
+            return next((j for j in others if j not in inputs), None)
         return next((j for j in self.voters() if j != self.index and j not in self.votes), None)
 
     def mark(self, step: str) -> None:
@@ -411,19 +331,6 @@ class Group:
                 out[step] = self.marks[step] - last
                 last = self.marks[step]
         return out
-
-    def abort_culprit(self, member: str | None) -> str | None:
-        """The other member ``member``'s abort named as the one it failed on, if any."""
-        return self._named.get(member)
-
-    def abort_starter(self) -> str | None:
-        """Who started the aborts this peer got: the first member that gave a reason of its own,
-        not one passing another's abort on (every member does, so an attempt ends at once
-        everywhere); failing that, the first whose abort came in. A leader that called the
-        attempt off because a member refused it gives its own reason: a strike (an honest one
-        leads again without the refuser; one whose groups keep being refused is no leader)."""
-        first = next(iter(self.aborts), None)
-        return next((m for m, r in self.aborts.items() if r != "aborted_by_peer"), first)
 
     def fail(self, reason: str, detail: str = "", by: str | None = None) -> None:
         if self.failure is None:
@@ -452,55 +359,21 @@ class Group:
         if self.failure is not None:
             raise self.failure
 
-    # ---- reduce: this peer owns part ``self.index`` -----------------------------
-
-    def add_weight(self, sender: int, weight: float) -> None:
-        """A member's weight, sent once before its pieces; reject what cannot be a real one."""
-        if sender in self.weights:
-            raise RoundFailed("duplicate_part")
-        if not (isinstance(weight, float) and math.isfinite(weight) and weight > 0):
-            raise RoundFailed("bad_weight")
-        self.weights[sender] = weight
-
-    def add_lane(self, sender: int, lane: int, weight: float) -> None:
-        """A member opened ``lane`` of our part; each lane's header repeats the member's weight."""
-        if not 0 <= lane < self.lanes(self.index):
-            raise RoundFailed("bad_lane")
-        if (sender, lane) in self._lanes_in:
-            raise RoundFailed("duplicate_part")
-        if sender in self.weights:
-            if weight != self.weights[sender]:
-                raise RoundFailed("bad_weight")
-        else:
-            self.add_weight(sender, weight)
-        self._lanes_in.add((sender, lane))
-
-    def add_piece(self, sender: int, k: int, values: torch.Tensor | bytes) -> bool:
-        """Store one member's piece ``k`` of our part (its values, or its payload as ``check_piece``
-        passed it); True once every member's piece ``k`` is in."""
-        start, end = self.pieces[self.index][k]
-        assert sender in self.weights and (not isinstance(values, torch.Tensor) or values.numel() == end - start)
-        inputs = self._inputs[k]
-        if sender in inputs or self.reduced[k] is not None:
-            raise RoundFailed("duplicate_part")
-        inputs[sender] = values
-        return len(inputs) == len(self.members)
+    # ---- reduce: this peer owns part ``self.index`` (the inputs: ``part``) --------
 
     def set_reduced(self, k: int, data: bytes) -> None:
-        self.reduced[k] = data
-        self._inputs[k] = {}  # the inputs are no longer needed
-        self._reduced_count += 1
+        self.part.set_reduced(k, data)
         self._changed.set()
 
     async def reduced_piece(self, k: int, deadline: float) -> tuple[bytes, bytes]:
         """The encoded average of piece ``k`` of our part and its declaration, once every member's
         piece ``k`` is in."""
-        await self._wait(lambda: self.reduced[k] is not None, deadline)
-        return self.reduced[k], self.reduced_declared[k]
+        await self._wait(lambda: self.part.reduced[k] is not None, deadline)
+        return self.part.reduced[k], self.part.declared[k]
 
     async def all_reduced(self, deadline: float) -> None:
         """Return once every piece of our part is averaged (and placed in our result)."""
-        await self._wait(lambda: self._reduced_count == len(self.reduced), deadline)
+        await self._wait(self.part.all_reduced, deadline)
 
     # ---- vote --------------------------------------------------------------------
 

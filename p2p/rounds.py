@@ -42,10 +42,11 @@ from p2p.compression import CommittedAverage
 from p2p.conduct import Conduct
 from p2p.deadline import DeadlinePolicy
 from p2p.exchange import all_or_fail, off_loop
+from p2p.failure import RoundFailed
 from p2p.faults import NO_FAULTS, Faults
 from p2p.feedback import ErrorFeedback
 from p2p.formation import Behind, GroupFormation, Wait
-from p2p.group import Group, RoundFailed
+from p2p.group import Group
 from p2p.hostile import HONEST, Behaviour, corrupt, flood as hostile_flood
 from p2p.reachability import Reachability
 from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, combined_digest, guarded, shard_names

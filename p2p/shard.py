@@ -26,9 +26,10 @@ import torch
 from p2p.audit import PartAudit
 from p2p.compression import base_vector, flatten, owned_bounds
 from p2p.exchange import PartExchange, all_or_fail, off_loop
+from p2p.failure import RoundFailed
 from p2p.faults import NO_FAULTS, Faults
 from p2p.feedback import ErrorFeedback
-from p2p.group import Group, RoundFailed
+from p2p.group import Group
 from p2p.lanes import LANES
 from p2p.limits import BoundedDict, handler_deadline
 from p2p.wire import (SMALL_HEADER_BYTES, FrameReader, WireError, close_writer, field as hfield, linger, read_frame,

@@ -19,7 +19,8 @@ import logging
 from typing import Awaitable, Callable
 
 from p2p.exchange import all_or_fail
-from p2p.group import Group, RoundFailed
+from p2p.failure import RoundFailed
+from p2p.group import Group
 from p2p.wire import WireError, field as hfield
 
 log = logging.getLogger("p2p.rounds")

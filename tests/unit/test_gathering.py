@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2p.gathering import Gathering, Look, Proposal, leader_of, owners
-from p2p.group import RoundFailed
+from p2p.failure import RoundFailed
 from p2p.peertable import PeerRecord
 from p2p.wire import WireError
 

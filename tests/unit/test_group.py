@@ -11,7 +11,8 @@ import p2p.group
 from p2p.codecs import get_codec
 from p2p.compression import flatten, owned_bounds, part_bounds
 from p2p.digests import digest, piece_digest
-from p2p.group import Group, RoundFailed
+from p2p.failure import RoundFailed
+from p2p.group import Group
 from p2p.lanes import lanes_for_rtt
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,8 +40,8 @@ async def test_a_member_that_owns_no_part_audits_nothing_and_hears_only_the_owne
 
     a, b, c = group("a"), group("b"), group("c")
     assert a.leader == "a" and [len(p) for p in a.pieces] == [1, 0, 1, 0]
-    assert a.audited_owner() == 2 and c.audited_owner() == 0 and b.audited_owner() is None
-    assert b.audit_target() is None and a.voters() == [0, 1, 2, 3] and b.voters() == [0, 2]
+    assert a.audit.owner() == 2 and c.audit.owner() == 0 and b.audit.owner() is None
+    assert b.audit.target() is None and a.voters() == [0, 1, 2, 3] and b.voters() == [0, 2]
     digest_ = os.urandom(16)
     b.add_vote(1, digest_)
     b.add_vote(0, digest_)
@@ -110,31 +111,31 @@ def test_every_piece_travels_on_exactly_one_lane_and_a_lane_opens_once(monkeypat
             assert 1 <= lanes <= per_part and lanes == min(per_part, max(1, len(group.pieces[j])))
             carried = sorted(k for lane in range(lanes) for k in group.lane_pieces(j, lane))
             assert carried == list(range(len(group.pieces[j])))
-    group.add_lane(1, 0, 2.0)
-    group.add_lane(1, 1, 2.0)  # the same weight on every lane of a member
-    assert group.weights[1] == 2.0
+    group.part.add_lane(1, 0, 2.0)
+    group.part.add_lane(1, 1, 2.0)  # the same weight on every lane of a member
+    assert group.part.weights[1] == 2.0
     with pytest.raises(RoundFailed, match="duplicate_part"):
-        group.add_lane(1, 1, 2.0)
+        group.part.add_lane(1, 1, 2.0)
     with pytest.raises(RoundFailed, match="bad_weight"):
-        group.add_lane(1, 2, 3.0)
+        group.part.add_lane(1, 2, 3.0)
     with pytest.raises(RoundFailed, match="bad_lane"):
-        group.add_lane(2, group.lanes(0), 1.0)
+        group.part.add_lane(2, group.lanes(0), 1.0)
     with pytest.raises(RoundFailed, match="bad_lane"):
-        group.add_lane(2, -1, 1.0)
+        group.part.add_lane(2, -1, 1.0)
 
 
 async def test_group_refuses_duplicates_and_never_encodes_non_finite_input():
     flat = torch.randn(1000)
     group = Group(os.urandom(16), 0, ["a", "b"], "a", flat, 1.0, get_codec("int8"))
     with pytest.raises(RoundFailed, match="duplicate_part"):
-        group.add_weight(0, 2.0)  # our own weight is in already
+        group.part.add_weight(0, 2.0)  # our own weight is in already
     with pytest.raises(RoundFailed, match="bad_weight"):
-        group.add_weight(1, float("nan"))
-    group.add_weight(1, 1.0)
+        group.part.add_weight(1, float("nan"))
+    group.part.add_weight(1, 1.0)
     piece = group.check_piece(0, group.encode_piece(0, 0))
-    assert not group.add_piece(1, 0, piece)
+    assert not group.part.add_piece(1, 0, piece)
     with pytest.raises(RoundFailed, match="duplicate_part"):
-        group.add_piece(1, 0, piece)
+        group.part.add_piece(1, 0, piece)
     flat[3] = float("nan")
     with pytest.raises(RoundFailed, match="non_finite_input"):
         group.encode_piece(0, 0)
@@ -221,16 +222,16 @@ def test_an_abort_is_pinned_on_its_starter_also_when_its_dropped_stream_failed_u
     g = group()  # b's abort came first; c only passed it on
     g.aborted_by("c", "aborted_by_peer")
     g.aborted_by("b", "hostile")
-    assert g.abort_starter() == "b"
+    assert g.aborts.starter() == "b"
     g = group()  # our own timeout came first: the others' aborts only answer it
     g.fail("timeout")
     g.aborted_by("b", "hostile")
-    assert g.abort_starter() is None
+    assert g.aborts.starter() is None
     g = group()  # b dropped its stream to us, then said it aborted: b started it
     g.fail("truncated", "stream closed after 0 bytes", by="b")
     g.aborted_by("c", "aborted_by_peer")
     g.aborted_by("b", "hostile")
-    assert g.abort_starter() == "b" and g.failure.reason == "truncated"
+    assert g.aborts.starter() == "b" and g.failure.reason == "truncated"
 
 
 def test_an_abort_names_the_member_it_failed_on_and_a_named_culprit_must_be_another_member():
@@ -251,7 +252,7 @@ def test_an_abort_names_the_member_it_failed_on_and_a_named_culprit_must_be_anot
                            (None, None)]:
         g = group()
         g.aborted_by("b", "timeout", culprit)
-        assert g.abort_starter() == "b" and g.abort_culprit("b") == named, culprit
+        assert g.aborts.starter() == "b" and g.aborts.named("b") == named, culprit
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int4", "fp4"])
