@@ -227,9 +227,9 @@ class TrainingLoop:
     def decide(self, peers, *, patient: bool = True) -> tuple[str, list[tuple[int, str, list[str]]]]:
         """Whether to leave our state, and for which (``quorum.follow``: never one peer's word).
         Quarantined peers vouch for nothing, nor do peers still announcing a state that showed
-        us no certificate chain (``RoundProtocol.not_vouching``)."""
+        us no certificate chain (``Conduct.not_vouching``)."""
         mine = (self.worker.round, self.status.params_hash)
-        excluded = self.rounds.not_vouching(peers, time.monotonic())
+        excluded = self.rounds.conduct.not_vouching(peers, time.monotonic())
         return follow(peers, self.swarm.peer_id, mine, excluded=excluded, patient=patient)
 
     async def check_consistency(self) -> None:
@@ -276,9 +276,9 @@ class TrainingLoop:
                     log.warning("not following round %d (%s): %s", round, params_hash[:12], e)
                     self.metrics.state_downloads.labels(result="uncertified").inc()
                     for donor in e.liars:
-                        self.rounds.offence(donor, "uncertified_state")
+                        self.rounds.conduct.offence(donor, "uncertified_state")
                     for donor in donors:  # their word to follow it counts for nothing while they hold it
-                        self.rounds.unverified(donor, params_hash)
+                        self.rounds.conduct.unverified(donor, params_hash)
                     continue
                 try:
                     snap = await download.run(round, params_hash, donors,

@@ -245,7 +245,8 @@ class RoundProtocol:
         self.plane.input_consumed()
         return group.committed_average(tensors, out)
 
-    # ---- conduct (p2p/conduct.py), as the training loop and tests ask it -------------
+    # ---- conduct (p2p/conduct.py): pass-throughs that only tests/unit/test_hostile.py still
+    # uses; everything else asks ``conduct`` itself. They go once that file does (issue #32).
 
     quarantine = property(lambda self: self.conduct.quarantine, lambda self, q: setattr(self.conduct, "quarantine", q))
     refusals = property(lambda self: self.conduct.refusals, lambda self, r: setattr(self.conduct, "refusals", r))

@@ -368,12 +368,12 @@ async def test_a_bad_piece_mid_stream_fails_the_round_everywhere(damage, reason,
         assert rejected(ma, reason) == 1 and rejected(mb, reason) == 0 and rejected(mc, reason) == 0
         assert all(r.feedback.residual.abs().max() == 0 for r in (ra, rb, rc))  # only a commit consumes it
         # a refused b's input: a lie, so a leaves b out of its rounds for a while (p2p/quarantine.py).
-        assert ra.quarantine.quarantined(b.peer_id, time.monotonic())
+        assert ra.conduct.quarantine.quarantined(b.peer_id, time.monotonic())
         assert ma.registry.get_sample_value("gonka_node_quarantined_total", {"reason": reason}) == 1
-        assert not rc.quarantine.active(time.monotonic())
+        assert not rc.conduct.quarantine.active(time.monotonic())
 
         # Once b behaves (and its quarantine is over), the same members average normally.
-        ra.quarantine = Quarantine(60)
+        ra.conduct.quarantine = Quarantine(60)
         del rb.exchange._send_pieces
         res = await asyncio.wait_for(asyncio.gather(
             *(r.average([x], 1.0, 0) for r, x in zip((ra, rb, rc), inputs))), 60)
