@@ -21,11 +21,15 @@ That CPU host's figure mostly shows what the allocator keeps of the inner loop's
 (``--outer-params``): two processes on loopback hold θ and the momentum and run real rounds and
 outer steps with no model (``outer_memory_peer.py``), as a GPU host's RAM sees them; its slope
 is the GPU host's bytes per parameter, against the goal of 14.
+
+With ``--smoke`` (toy sizes, figures that mean nothing) the two sizes of each measurement run
+side by side, each pair of hosts on a run id of its own: the tests run the smoke every time.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.swarmbench_common import (NODE_BIN, listening_address, log_tail, process_tree, rss_bytes, state_numel,
@@ -62,7 +67,9 @@ def _stamp(date: str, ms: str) -> float:
 
 def measure(model: str, ranks: int, args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="gonka-mem-"))
-    common = ["--model", model, "--device", "cpu", "--nproc-per-node", str(ranks), "--min-peers", "2",
+    # A run id of its own: with --smoke two runs share the machine (``both``).
+    common = ["--run-id", f"memory-{model}-{ranks}-{os.getpid()}", "--model", model, "--device", "cpu",
+              "--nproc-per-node", str(ranks), "--min-peers", "2",
               "--inner-steps", str(args.inner_steps), "--max-rounds", str(args.rounds), "--metrics-addr", "off",
               "--control", "off", "--threads", "1", "--set", f"swarm.codec={args.codec}",
               "--set", "swarm.heartbeat_interval=0.5", "--set", "data.batch_size=4", "--set", "data.seq_len=64",
@@ -133,6 +140,16 @@ def measure_outer(params: int, args) -> dict:
             "train_peak_mb": float("nan"), "round_peak_mb": max(result["peaks"][1:]) / 2**20}
 
 
+def both(measure_one, first, second, side_by_side: bool) -> tuple[dict, dict]:
+    """``measure_one`` of both sizes: one after the other, or side by side (--smoke, whose figures
+    mean nothing: each run is mostly two hosts starting up and waiting on each other)."""
+    if not side_by_side:
+        return measure_one(first), measure_one(second)
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(measure_one, first), pool.submit(measure_one, second)
+        return a.result(), b.result()
+
+
 def run(args) -> dict:
     smoke = getattr(args, "smoke", False)
     args.rounds = args.rounds or (2 if smoke else 3 if args.quick else 4)
@@ -146,12 +163,12 @@ def run(args) -> dict:
     rows, summary = [], []
     if args.outer_params:
         first, second = (int(n) for n in args.outer_params.split(","))
-        a, b = measure_outer(first, args), measure_outer(second, args)
+        a, b = both(lambda n: measure_outer(n, args), first, second, smoke)
         rows += [a, b]
         outer = (b["round_peak_mb"] - a["round_peak_mb"]) * 2**20 / (second - first)
         summary.append({"ranks": "outer state", "round_bytes_per_param": outer, "goal": GOAL_GPU_HOST})
     for ranks in [int(r) for r in args.ranks.split(",") if r]:  # "" measures the outer state only
-        a, b = measure(small, ranks, args), measure(big, ranks, args)
+        a, b = both(lambda m: measure(m, ranks, args), small, big, smoke)
         rows += [a, b]
         dp = b["params"] - a["params"]
         summary.append({"ranks": ranks,

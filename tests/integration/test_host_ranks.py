@@ -73,10 +73,10 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
     a = nodes("a", *HOST, "--min-peers", "2")
     b = nodes("b", *b_args, "--bootstrap", a.address())
     for n in (a, b):
-        n.wait_round(3, timeout=240)
+        n.wait_round(2, timeout=240)
     ra, rb = a.rounds(), b.rounds()
     common = sorted(set(ra) & set(rb))
-    assert len(common) >= 3
+    assert len(common) >= 2
     assert all(ra[r] == rb[r] for r in common), (ra, rb)
     assert len(set(ra[r] for r in common)) == len(common)  # the model moves every round
     assert "members=2" in a.log() and "layout=fsdpx2" in a.log()
