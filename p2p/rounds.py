@@ -138,11 +138,12 @@ class RoundProtocol:
             await p2p.add_binary_stream_handler(self._names[name], self._guard(handler))
         await self.plane.start(p2p, self._guard)
         if self.hostile.flood:
-            self._flood_task = asyncio.ensure_future(self._flood())
+            self.flood()
 
-    async def _flood(self) -> None:
+    def flood(self) -> None:
         """Test-only (p2p/hostile.py): open streams to every peer and never write a byte on them."""
-        await hostile_flood(lambda: self.swarm.refresh_peers(max_age=1.0), self._open)
+        self._flood_task = asyncio.ensure_future(hostile_flood(lambda: self.swarm.refresh_peers(max_age=1.0),
+                                                               self._open))
 
     # ---- the averaging interface ---------------------------------------------------
 
@@ -244,28 +245,6 @@ class RoundProtocol:
         out = None if donated else torch.empty(numel, dtype=torch.float32)
         self.plane.input_consumed()
         return group.committed_average(tensors, out)
-
-    # ---- conduct (p2p/conduct.py): pass-throughs that only tests/unit/test_hostile.py still
-    # uses; everything else asks ``conduct`` itself. They go once that file does (issue #32).
-
-    quarantine = property(lambda self: self.conduct.quarantine, lambda self, q: setattr(self.conduct, "quarantine", q))
-    refusals = property(lambda self: self.conduct.refusals, lambda self, r: setattr(self.conduct, "refusals", r))
-    _suspects = property(lambda self: self.conduct.suspects)
-
-    def offence(self, peer: str, reason: str) -> None:
-        """Record what a peer did (``Conduct.offence``)."""
-        self.conduct.offence(peer, reason)
-
-    def unverified(self, peer: str, params_hash: str) -> None:
-        """``peer`` announced ``params_hash`` and showed no certificate chain to it (``Conduct.unverified``)."""
-        self.conduct.unverified(peer, params_hash)
-
-    def not_vouching(self, peers, now: float) -> set[str]:
-        """Peers whose word on which state to follow counts for nothing now (``Conduct.not_vouching``)."""
-        return self.conduct.not_vouching(peers, now)
-
-    def _live(self, peers) -> dict:
-        return self.conduct.grouping(peers)
 
     def _background(self, call) -> None:
         """Run a best-effort request in the background (kept until done, errors logged at debug)."""

@@ -165,7 +165,7 @@ async def test_a_weight_above_the_rounds_cap_is_capped_counted_and_quarantined()
                 assert torch.allclose(results[1][0][start:end], expected[start:end], atol=1e-5)
         for _, r, m in peers[1:]:
             assert rejected(m, "weight_capped") == 1 and quarantined(m, "weight_capped") == 1
-            assert r.quarantine.quarantined(peers[0][0].peer_id, time.monotonic())
+            assert r.conduct.quarantine.quarantined(peers[0][0].peer_id, time.monotonic())
     finally:
         await stop_peers(peers)
 
@@ -186,7 +186,7 @@ async def test_a_negative_weight_aborts_the_attempt_and_the_others_commit_withou
         assert max(map(len, outcomes)) <= 3, story(outcomes)  # whoever saw its weight left it out at once
         assert all(torch.equal(res[0], results[0][0]) for res in results)
         assert all(liar not in r.last.members and len(r.last.members) == 3 for r in honest)
-        assert sum(r.quarantine.quarantined(liar, time.monotonic()) for r in honest) >= 1
+        assert sum(r.conduct.quarantine.quarantined(liar, time.monotonic()) for r in honest) >= 1
         liar_task.cancel()
         await asyncio.gather(liar_task, return_exceptions=True)
     finally:
@@ -219,9 +219,9 @@ async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same
         # Member 2 audits member 1's part: it recomputed the piece, blamed the owner, and says so.
         _, auditor, metrics = peers[2]
         assert rejected(metrics, "audit_failed") == 1 and quarantined(metrics, "audit_failed") == 1
-        assert auditor.quarantine.quarantined(owner, time.monotonic())
+        assert auditor.conduct.quarantine.quarantined(owner, time.monotonic())
         # The auditor sent its evidence: the other member checked it and quarantined the owner too.
-        assert rounds[0].quarantine.quarantined(owner, time.monotonic())
+        assert rounds[0].conduct.quarantine.quarantined(owner, time.monotonic())
         assert quarantined(peers[0][2], "audit_failed") == 1
         task = asyncio.ensure_future(_keep_averaging(rounds[1], inputs[1]))
         rounds[0].min_peers = rounds[2].min_peers = 2
@@ -261,8 +261,8 @@ async def test_an_owner_that_misreports_an_input_is_caught_by_that_member_when_i
         assert all(r.last.status == "aborted" for r in rounds)
         now = time.monotonic()
         assert rejected(peers[0][2], "owner_misreported") == 1 and quarantined(peers[0][2], "owner_misreported") == 1
-        assert rounds[0].quarantine.quarantined(owner, now)
-        assert not any(r.quarantine.quarantined(member, now) for r in rounds)
+        assert rounds[0].conduct.quarantine.quarantined(owner, now)
+        assert not any(r.conduct.quarantine.quarantined(member, now) for r in rounds)
         assert rejected(peers[2][2], "audit_failed") == 0
     finally:
         await stop_peers(peers)
@@ -307,8 +307,9 @@ async def test_a_member_that_always_aborts_is_quarantined_after_two_in_a_row_or_
         # (A peer may be in more groups with it than that, led by one that has not quarantined it
         # yet, or in fewer, when the others formed a group without it while it was busy in another.)
         for r, mine in zip(honest, seen):
-            assert r.quarantine.quarantined(aborter, time.monotonic()) == _spoiled_enough(mine, aborter), story(seen)
-        assert any(r.quarantine.quarantined(aborter, time.monotonic()) for r in honest), story(seen)
+            assert (r.conduct.quarantine.quarantined(aborter, time.monotonic())
+                    == _spoiled_enough(mine, aborter)), story(seen)
+        assert any(r.conduct.quarantine.quarantined(aborter, time.monotonic()) for r in honest), story(seen)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     finally:
@@ -324,7 +325,7 @@ async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_w
         await settle(peers)
         (xs, x, _), (_, a, _), (_, b, _), (cs, c, _) = peers
         for r in (a, b):
-            r.quarantine.offence(xs.peer_id, "bad_weight", time.monotonic())
+            r.conduct.quarantine.offence(xs.peer_id, "bad_weight", time.monotonic())
         inputs = honest_inputs(4, 256)
         current = [0]
         task = asyncio.ensure_future(_keep_averaging(x, inputs[0], lambda: current[0]))
@@ -332,7 +333,7 @@ async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_w
 
         async def c_heard_both() -> bool:  # the word goes out in the background, after the refusal
             for _ in range(100):
-                if sorted(c.refusals.refusers(xs.peer_id, time.monotonic())) == told:
+                if sorted(c.conduct.refusals.refusers(xs.peer_id, time.monotonic())) == told:
                     return True
                 await asyncio.sleep(0.1)
             return False
@@ -347,12 +348,12 @@ async def test_a_leader_most_peers_quarantined_is_refused_by_the_rest_on_their_w
             if await c_heard_both():
                 break
         # c heard it from both; one is not enough to refuse on (a quorum of 3 of 4 is left).
-        refusers = c.refusals.refusers(xs.peer_id, time.monotonic())
+        refusers = c.conduct.refusals.refusers(xs.peer_id, time.monotonic())
         assert sorted(refusers) == told, story(outcomes)
         from p2p.quorum import live_peers, shunned
         live = live_peers(cs.peers, cs.peer_id)
         assert shunned(refusers, live) and not shunned(refusers[:1], live)
-        assert not c.quarantine.quarantined(xs.peer_id, time.monotonic())  # refused, not judged
+        assert not c.conduct.quarantine.quarantined(xs.peer_id, time.monotonic())  # refused, not judged
         # The next round: c refuses x's groups from the start, so every honest peer commits at once
         # (x, quarantined by two and shunned by the third, leads nothing).
         await seen_ready(peers, xs.peer_id, round + 1)
@@ -372,21 +373,23 @@ async def test_a_peer_that_quarantines_tells_every_live_peer_and_a_shunned_one_i
     try:
         await settle(peers)
         (xs, _, _), (_, a, _), (_, b, _), (cs, c, _) = peers
-        assert xs.peer_id in c._live(cs.peers)
-        a.offence(xs.peer_id, "bad_weight")
-        b.offence(xs.peer_id, "bad_weight")
+        assert xs.peer_id in c.conduct.grouping(cs.peers)
+        a.conduct.offence(xs.peer_id, "bad_weight")
+        b.conduct.offence(xs.peer_id, "bad_weight")
         for _ in range(600):
-            if len(c.refusals.refusers(xs.peer_id, time.monotonic())) == 2:
+            if len(c.conduct.refusals.refusers(xs.peer_id, time.monotonic())) == 2:
                 break
             await asyncio.sleep(0.05)
-        assert sorted(c.refusals.refusers(xs.peer_id, time.monotonic())) == sorted([a.swarm.peer_id, b.swarm.peer_id])
+        assert sorted(c.conduct.refusals.refusers(xs.peer_id, time.monotonic())) == sorted([a.swarm.peer_id,
+                                                                                             b.swarm.peer_id])
         # Shunned once c's own table shows the refusers live (a short lookup may miss one a moment).
         for _ in range(200):
-            if xs.peer_id not in c._live(await cs.refresh_peers()):
+            if xs.peer_id not in c.conduct.grouping(await cs.refresh_peers()):
                 break
             await asyncio.sleep(0.05)
-        assert xs.peer_id not in c._live(cs.peers) and not c.quarantine.quarantined(xs.peer_id, time.monotonic())
-        a.offence(xs.peer_id, "bad_weight")  # already quarantined: nobody is told twice
+        assert xs.peer_id not in c.conduct.grouping(cs.peers)
+        assert not c.conduct.quarantine.quarantined(xs.peer_id, time.monotonic())
+        a.conduct.offence(xs.peer_id, "bad_weight")  # already quarantined: nobody is told twice
         assert len(a._background_tasks) <= 2
     finally:
         await stop_peers(peers)
@@ -433,7 +436,7 @@ class TestOneStream:  # one swarm for the class, gone after its last test
                 break
             await asyncio.sleep(0.05)
         assert rejected(ma, "bad_field") == before + 1
-        assert ra.refusals.refusers(str(header.get("leader")), time.monotonic()) == []
+        assert ra.conduct.refusals.refusers(str(header.get("leader")), time.monotonic()) == []
         writer.close()
 
     async def test_an_oversized_declared_frame_is_refused_before_any_payload_arrives(self, two):
@@ -466,7 +469,7 @@ async def test_a_leader_that_never_sends_begin_is_left_out_and_the_others_commit
         assert all(res is not None for res in results) and torch.equal(results[0][0], results[1][0])
         assert all(leader not in r.last.members for r in rounds[1:])
         # Whoever waited out the leader suspects it (a strike: quarantined after three).
-        assert any(leader in r._suspects for r in rounds[1:])
+        assert any(leader in r.conduct.suspects for r in rounds[1:])
         assert time.monotonic() - started < 60
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -481,7 +484,7 @@ async def test_a_stream_flood_is_refused_per_peer_and_rounds_go_on():
         (_, ra, ma), (_, rb, mb), (flooder, rc, _) = peers
         await settle(peers)
         rc.hostile = Behaviour(flood=True)
-        rc._flood_task = asyncio.ensure_future(rc._flood())
+        rc.flood()
         for _ in range(200):
             if rejected(ma, "stream_flood") and rejected(mb, "stream_flood"):
                 break
@@ -490,7 +493,7 @@ async def test_a_stream_flood_is_refused_per_peer_and_rounds_go_on():
         assert ra.swarm.streams.open_streams(flooder.peer_id) <= 8
         # A peer that keeps us at its stream cap is no member to group with: a strike a second.
         for _ in range(400):
-            if all(r.quarantine.quarantined(flooder.peer_id, time.monotonic()) for r in (ra, rb)):
+            if all(r.conduct.quarantine.quarantined(flooder.peer_id, time.monotonic()) for r in (ra, rb)):
                 break
             await asyncio.sleep(0.05)
         assert quarantined(ma, "stream_flood") == 1 and quarantined(mb, "stream_flood") == 1
@@ -602,14 +605,16 @@ async def test_a_peer_whose_state_showed_no_chain_vouches_for_nothing_while_it_a
                  "b": record(3, "h3")}
         now = time.monotonic()
         mine = (3, "h3")
-        assert follow(table, swarm.peer_id, mine, excluded=rounds.not_vouching(table, now), patient=True)[0] == "behind"
+        excluded = rounds.conduct.not_vouching(table, now)
+        assert follow(table, swarm.peer_id, mine, excluded=excluded, patient=True)[0] == "behind"
         for liar in ("liar0", "liar1"):
-            rounds.unverified(liar, "zeros")
-        assert rounds.not_vouching(table, now) == {"liar0", "liar1"}
-        assert follow(table, swarm.peer_id, mine, excluded=rounds.not_vouching(table, now), patient=True) == ("", [])
+            rounds.conduct.unverified(liar, "zeros")
+        assert rounds.conduct.not_vouching(table, now) == {"liar0", "liar1"}
+        excluded = rounds.conduct.not_vouching(table, now)
+        assert follow(table, swarm.peer_id, mine, excluded=excluded, patient=True) == ("", [])
         assert {"liar0", "liar1"} <= live_peers(table, swarm.peer_id)  # they still count as live
         table["liar1"] = record(1002, "other")
-        assert rounds.not_vouching(table, now) == {"liar0"}
-        assert rounds.not_vouching(table, now + rounds.quarantine.seconds + 1) == set()
+        assert rounds.conduct.not_vouching(table, now) == {"liar0"}
+        assert rounds.conduct.not_vouching(table, now + rounds.conduct.quarantine.seconds + 1) == set()
     finally:
         await swarm.close()
