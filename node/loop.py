@@ -55,7 +55,7 @@ class TrainingLoop:
         self.on_commit = on_commit  # async callback(checkpoint: bool): checkpoint + status file
         self.stop_requested = asyncio.Event()
         self.stop_flag = threading.Event()  # seen by the inner-step thread
-        self.peer = PeerRounds(worker, self, retry_seconds=RETRY_SECONDS)
+        self.peer = PeerRounds(worker, self)
         self._evaluated = -1
         self._fakes = 0  # test-only hostile states served (p2p/hostile.py, fake_states)
         self.last_commit: dict | None = None  # the last committed round, for the history (node/history.py)

@@ -68,7 +68,8 @@ class SimulatedPeer:
         return (avg, COMMITTED, None) if avg is not None else (None, BEHIND, "left out")
 
     async def committed(self, weight: float, overlapped: bool) -> None:
-        self.sim.commits.set()
+        async with self.sim.commits:
+            self.sim.commits.notify_all()
 
     async def boundary(self) -> None:
         pass
@@ -168,17 +169,17 @@ class Simulator:
         if wrap is not None:
             self.members = [wrap(i, m) for i, m in enumerate(self.members)]
         self.peers = [SimulatedPeer(self, i) for i in range(k)]
-        self.commits = _Pulse()
+        self.commits: asyncio.Condition | None = None  # notified on every commit; one per run (its loop)
 
     async def committed_to(self, round: int) -> DiLoCoWorker:
         """A worker whose θ is at ``round`` (waits for one to commit it)."""
-        while True:
-            for w in self.workers:
-                if w.round == round:
-                    return w
-            await self.commits.wait()
+        def donor() -> DiLoCoWorker | None:
+            return next((w for w in self.workers if w.round == round), None)
 
-    def _set_steps(self, steps: int) -> None:
+        async with self.commits:
+            return await self.commits.wait_for(donor)
+
+    def _prepare_run(self, steps: int) -> None:
         # The fraction land_after of the steps runs before the average lands: at step K+1 of the flight.
         land_step = round(self.land_after * steps) + 1 if self.overlap else self._land_step
         for w, p in zip(self.workers, self.peers):
@@ -186,11 +187,12 @@ class Simulator:
                 w.outer_cfg = dataclasses.replace(w.outer_cfg, land_step=land_step)
             p.steps = steps
             p.stop_requested = asyncio.Event()  # of this run's event loop (run_sync starts one each time)
+        self.commits = asyncio.Condition()
 
     async def run(self, rounds: int, steps: int) -> list[dict]:
         """``rounds`` outer rounds of ``steps`` inner steps each per worker; one record per
         round (overlapped: the round whose steps ran, the average of the one before settled)."""
-        self._set_steps(steps)
+        self._prepare_run(steps)
         per_peer = await asyncio.gather(*(self._peer_rounds(p, rounds) for p in self.peers))
         records = []
         for n in range(rounds):
@@ -230,20 +232,3 @@ class Simulator:
 
         return asyncio.run(both())
 
-
-class _Pulse:
-    """Wakes every waiter each time it is set (an ``asyncio.Event`` that clears itself)."""
-
-    def __init__(self) -> None:
-        self._waiters: list[asyncio.Future] = []
-
-    def set(self) -> None:
-        for f in self._waiters:
-            if not f.done():
-                f.set_result(None)
-        self._waiters.clear()
-
-    async def wait(self) -> None:
-        f = asyncio.get_running_loop().create_future()
-        self._waiters.append(f)
-        await f
