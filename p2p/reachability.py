@@ -10,8 +10,9 @@ to know it before it can route around it (docs/wan.md).
 A node finds out from its peers: it asks up to ``ASKED`` of them to dial it
 back (``check``). The request carries nothing: a peer that is asked dials
 only the TCP addresses of the asker's own signed heartbeat (at most
-``MAX_ADDRESSES``, ``DIAL_TIMEOUT`` each, one request per asker per
-``MIN_INTERVAL``), so it cannot be made to probe anybody else, and it
+``MAX_ADDRESSES``, ``DIAL_TIMEOUT`` each, once per asker and addresses per
+``MIN_INTERVAL``: a peer restarted on new addresses is dialled at once, the same
+question again gets no answer), so it cannot be made to probe anybody else, and it
 answers whether one of them accepted a connection (``on_dialback``). A
 connect, then a close: nothing is sent. Peers may lie, so the answers decide
 by strict majority (``verdict``); with none, the answer stays unknown.
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 ASKED = 3  # peers asked each time
 MAX_ADDRESSES = 4  # of the asker's addresses, dialled back
 DIAL_TIMEOUT = 5.0  # seconds for one TCP connect (20 round trips at 250 ms)
-MIN_INTERVAL = 30.0  # seconds between two dial-backs for one asker
+MIN_INTERVAL = 30.0  # seconds between two dial-backs of one asker's same addresses
 CHECK_INTERVAL = 600.0  # seconds between two checks of a node that knows its answer
 # The most a node that checks waits for its first answer before its first round: a round formed
 # before its members know who can be dialled gives parts to peers behind NAT, and fails when two
@@ -96,7 +97,7 @@ class Reachability:
         self.reachable: bool | None = None
         self.checking = False  # set by whoever runs ``check`` (the node); see ``settled``
         self._answered = asyncio.Event()
-        self._dialled_for = BoundedDict(4096)  # asker -> when we last dialled it back
+        self._dialled_for = BoundedDict(4096)  # (asker, endpoints) -> when we last dialled them
 
     async def check(self) -> bool | None:
         """Ask up to ``ASKED`` peers of the table to dial us back; set and return ``reachable``."""
@@ -173,14 +174,15 @@ class Reachability:
     async def on_dialback(self, sender: str, header: dict, reader, writer) -> None:
         """A peer asks whether we can dial it: try the addresses of its signed heartbeat."""
         now = time.monotonic()
-        last = self._dialled_for.get(sender)
         record = self.swarm.peers.get(sender)
+        endpoints = tuple(tcp_endpoints(record.maddrs)) if record is not None else ()
+        last = self._dialled_for.get((sender, endpoints))
         if (last is not None and now - last < MIN_INTERVAL) or record is None:
-            await reply(writer, {"ok": None})  # no answer: too soon, or a peer we do not know
+            await reply(writer, {"ok": None})  # no answer: asked that too soon, or a peer we do not know
             return
-        self._dialled_for[sender] = now
+        self._dialled_for[(sender, endpoints)] = now
         ok = False
-        for host, port in tcp_endpoints(record.maddrs):
+        for host, port in endpoints:
             if await _connects(host, port, DIAL_TIMEOUT):
                 ok = True
                 break

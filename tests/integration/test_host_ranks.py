@@ -12,6 +12,7 @@ missing is refused at start-up.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -67,6 +68,23 @@ def host_parts(directory: Path) -> list[Path]:
     return sorted(directory.glob("host-*/rank*.pt"))
 
 
+def stopped_checkpoint(ckpt: Path, copy: Path) -> list[Path]:
+    """The parts of the one host checkpoint a stopped host left in ``ckpt``, copied to ``copy``
+    (the host restarts from ``ckpt`` and writes new ones there while its export is checked)."""
+    parts = host_parts(ckpt)
+    assert [p.name for p in parts] == ["rank0.pt", "rank1.pt"] and len({p.parent for p in parts}) == 1, parts
+    shutil.copytree(ckpt, copy)
+    return host_parts(copy)
+
+
+def export_and_check(parts: list[Path], out: Path) -> None:
+    """`gonka-node export` of the checkpoint holding ``parts``, then ``check_export``."""
+    done = subprocess.run([str(BIN), "export", "--checkpoint-dir", str(parts[0].parent.parent), "--out", str(out),
+                           "--dtype", "fp32"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_export(out, parts)
+
+
 def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_rank(nodes, tmp_path):
     ckpt = tmp_path / "b-ckpt"
     b_args = [*HOST, "--min-peers", "2", "--checkpoint-dir", str(ckpt), "--identity", str(tmp_path / "b.key")]
@@ -90,29 +108,23 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
     b.proc.send_signal(signal.SIGTERM)
     assert b.wait_exit(90) == 0, b.log()[-3000:]
     wait_until(lambda: not any(alive(p) for p in b.known_children), 30, "b's ranks and p2pd to be gone")
-    parts = host_parts(ckpt)
-    assert [p.name for p in parts] == ["rank0.pt", "rank1.pt"] and len({p.parent for p in parts}) == 1, parts
+    parts = stopped_checkpoint(ckpt, tmp_path / "b-stopped")
     stopped_at = max(b.rounds())
 
-    # The sharded checkpoint exports as one Hugging Face model, joined tensor by tensor.
-    out = tmp_path / "export"
-    done = subprocess.run([str(BIN), "export", "--checkpoint-dir", str(ckpt), "--out", str(out), "--dtype", "fp32"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    check_export(out, parts)
-
     # b restarts from its sharded checkpoint; a waited for it (min-peers 2) and both go on as one.
+    # A third 2-rank host joins meanwhile: each of its ranks downloads its shard from the donors'
+    # matching ranks (every shard checked against rank 0's certified list), then trains with them.
     b2 = nodes("b2", *b_args, "--bootstrap", a.address())
+    c = nodes("c", *HOST, "--min-peers", "2", "--bootstrap", a.address())
+    # While they start: the sharded checkpoint exports as one Hugging Face model, joined tensor
+    # by tensor.
+    export_and_check(parts, tmp_path / "export")
     for n in (a, b2):
         n.wait_round(stopped_at + 1, timeout=240)
     assert f"resumed from {ckpt} at round {stopped_at}" in b2.log(), b2.log()[-3000:]
     ra, rb = a.rounds(), b2.rounds()
     after = [r for r in rb if stopped_at < r <= max(ra)]
     assert after and all(ra.get(r) == rb[r] for r in after), (ra, rb)
-
-    # A third 2-rank host joins mid-run: each of its ranks downloads its shard from the donors'
-    # matching ranks (every shard checked against rank 0's certified list), then trains with them.
-    c = nodes("c", *HOST, "--min-peers", "2", "--bootstrap", a.address())
     wait_until(lambda: "resynced round=" in c.log() or c.proc.poll() is not None, 180, "c to download the state")
     wait_until(lambda: "members=3" in c.log() or c.proc.poll() is not None, 180, "c to commit a round with a and b")
     assert c.proc.poll() is None, c.log()[-3000:]
@@ -177,19 +189,14 @@ def test_two_hosts_of_two_ddp_ranks_train_restart_and_take_a_joiner_on_one_hash(
     assert b.wait_exit(90) == 0, b.log()[-3000:]
     wait_until(lambda: not any(alive(p) for p in b.known_children), 30, "b's ranks and p2pd to be gone")
     stopped_at = max(b.rounds())
-    # Each rank's checkpoint part holds its own rows of θ: the export joins them into the model.
-    parts = host_parts(ckpt)
-    assert [p.name for p in parts] == ["rank0.pt", "rank1.pt"], parts
-    out = tmp_path / "export"
-    done = subprocess.run([str(BIN), "export", "--checkpoint-dir", str(ckpt), "--out", str(out), "--dtype", "fp32"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    check_export(out, parts)
+    parts = stopped_checkpoint(ckpt, tmp_path / "b-stopped")
 
     # b resumes from its checkpoint (every rank loads its part at once) and c joins: each of its
     # ranks downloads its shard, and all load them at once.
     b2 = nodes("b2", *b_args, "--bootstrap", a.address())
     c = nodes("c", *ddp, "--bootstrap", a.address())
+    # Meanwhile: each rank's checkpoint part holds its own rows of θ; the export joins them.
+    export_and_check(parts, tmp_path / "export")
     wait_until(lambda: "resynced round=" in c.log() or c.proc.poll() is not None, 180, "c to download the state")
     for n in (b2, c):
         wait_until(lambda: "members=3" in n.log() or n.proc.poll() is not None, 180, f"{n.name} to commit with all")

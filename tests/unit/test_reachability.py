@@ -33,6 +33,16 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+async def announce(swarm, maddrs: list[str], others) -> None:
+    """``swarm`` announces ``maddrs``; returns once ``others`` hold them in their tables."""
+    swarm.maddrs = maddrs
+    swarm.announce(step=1)
+    async with asyncio.timeout(30):
+        while any(s.peers[swarm.peer_id].maddrs != tuple(maddrs) for s in others):
+            await asyncio.gather(*(s.refresh_peers() for s in others))
+            await asyncio.sleep(0.1)
+
+
 async def test_peers_dial_back_what_a_node_announces():
     peers = await start_peers(3)
     try:
@@ -42,15 +52,15 @@ async def test_peers_dial_back_what_a_node_announces():
                 await asyncio.sleep(0.1)
         assert await ra.reachability.check() is True
         # c announces an address nothing listens on (what a peer behind NAT announces, in effect).
-        c.maddrs = [f"/ip4/127.0.0.1/tcp/{closed_port()}"]
-        c.announce(step=1)
-        async with asyncio.timeout(30):
-            while any(s.peers[c.peer_id].maddrs != tuple(c.maddrs) for s in (a, b)):
-                await asyncio.gather(a.refresh_peers(), b.refresh_peers())
-                await asyncio.sleep(0.1)
+        listening = list(c.maddrs)
+        await announce(c, [f"/ip4/127.0.0.1/tcp/{closed_port()}"], (a, b))
         assert await rc.reachability.check() is False
-        # Asked again at once, a peer does not dial again: no answer, so the verdict stands.
+        # Asked again at once, a peer does not dial the same addresses again: no answer, so the
+        # verdict stands.
         assert await rc.reachability.check() is False
+        # New addresses (a peer restarted on another port, same identity) are dialled at once.
+        await announce(c, listening, (a, b))
+        assert await rc.reachability.check() is True
     finally:
         await stop_peers(peers)
 
