@@ -208,7 +208,8 @@ class TestOneStream:  # one swarm for the class, gone after its last test
 
 
 async def test_a_leader_that_never_sends_begin_is_left_out_and_the_others_commit():
-    peers = sorted(await start_peers(3, gather_timeout=2.0, request_timeout=2.0, **STEADY), key=lambda p: p[0].peer_id)
+    # The others wait the silent leader out (gather_timeout + 2 request_timeouts): 5 s.
+    peers = sorted(await start_peers(3, gather_timeout=1.0, request_timeout=2.0, **STEADY), key=lambda p: p[0].peer_id)
     try:
         rounds = [r for _, r, _ in peers]
         await settle(peers)
@@ -232,7 +233,7 @@ async def test_a_leader_that_never_sends_begin_is_left_out_and_the_others_commit
 
 async def test_a_stream_flood_is_refused_per_peer_and_rounds_go_on():
     # The flooder heartbeats as a peer in training that never averages: a and b wait a gather out.
-    peers = await start_peers(3, max_streams_per_peer=8, gather_timeout=3.0, **STEADY)
+    peers = await start_peers(3, max_streams_per_peer=8, gather_timeout=1.5, **STEADY)
     try:
         (_, ra, ma), (_, rb, mb), (flooder, rc, _) = peers
         await settle(peers)
