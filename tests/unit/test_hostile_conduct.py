@@ -208,10 +208,11 @@ class TestOneStream:  # one swarm for the class, gone after its last test
 
 
 async def test_a_leader_that_never_sends_begin_is_left_out_and_the_others_commit():
-    # The others wait the silent leader out (gather_timeout + 2 request_timeouts): 5 s.
     peers = sorted(await start_peers(3, gather_timeout=1.0, request_timeout=2.0, **STEADY), key=lambda p: p[0].peer_id)
     try:
         rounds = [r for _, r, _ in peers]
+        for r in rounds:  # the others wait the silent leader out (gather_timeout + 2 request timeouts): 3 s
+            r.formation.request_timeout = 1.0
         await settle(peers)
         leader = peers[0][0].peer_id  # the smallest id leads
         rounds[0].hostile = Behaviour(silent_leader=True)
