@@ -3,8 +3,8 @@ ATEN_CPU_CAPABILITY this CPU has, and their values compared.
 
 Test modules register a script with ``section(name, script)`` when they are imported (the
 script fills a dict ``out`` with named values); the first test that asks for results runs every
-section registered by then in one child per capability, so the suite pays torch's start-up once
-per capability rather than once per test module."""
+section registered by then in one child per capability, the children side by side, so the suite
+pays torch's start-up once per capability rather than once per test module."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,18 +35,26 @@ def section(name: str, script: str) -> str:
     return name
 
 
-def _run_child(script: str, env: dict[str, str]) -> str:
-    """stdout of ``python -c script``; the child (and anything it started) dies with the test."""
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _run_children(script: str, envs: dict[str, dict[str, str]]) -> dict[str, str]:
+    """stdout of ``python -c script`` under each of ``envs``, the children run side by side (each
+    pays torch's start-up; one after the other they cost the sum of it); every child (and anything
+    it started) dies with the test."""
+    procs = {key: subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for key, env in envs.items()}
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    out = {}
     try:
-        stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT_S)
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            assert proc.returncode == 0, f"child failed under {envs[key].get('ATEN_CPU_CAPABILITY')}:\n{stderr[-3000:]}"
+            out[key] = stdout
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, f"child failed under {env.get('ATEN_CPU_CAPABILITY')}:\n{stderr[-3000:]}"
-    return stdout
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return out
 
 
 def _child_env(capability: str | None) -> dict[str, str]:
@@ -61,8 +70,13 @@ def _child_env(capability: str | None) -> dict[str, str]:
 def capabilities() -> tuple[str, ...]:
     """'default' up to the capability torch picks on this CPU by itself (asking for more than the
     CPU has would crash the child with an illegal instruction)."""
-    script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-    best = _run_child(script, _child_env(None)).strip().lower()
+    if "ATEN_CPU_CAPABILITY" in os.environ:  # this process was told one: ask a child left to pick
+        script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+        best = _run_children(script, {"": _child_env(None)})[""].strip().lower()
+    else:
+        import torch
+
+        best = torch.backends.cpu.get_cpu_capability().lower()
     return LADDERS.get(best, ("default", best))
 
 
@@ -90,7 +104,8 @@ def by_capability(name: str) -> dict[str, dict]:
     if name not in _results:
         pending = [n for n in _sections if n not in _results]
         script = _child_script(pending)
-        by_cap = {cap: json.loads(_run_child(script, _child_env(cap)).splitlines()[-1]) for cap in caps}
+        stdout = _run_children(script, {cap: _child_env(cap) for cap in caps})
+        by_cap = {cap: json.loads(stdout[cap].splitlines()[-1]) for cap in caps}
         for n in pending:
             _results[n] = {cap: by_cap[cap][n] for cap in caps}
     for cap, values in _results[name].items():

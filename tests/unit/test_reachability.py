@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from p2p.reachability import MAX_ADDRESSES, tcp_endpoints, verdict
-from tests.unit.test_rounds import start_peers, stop_peers
+from tests.unit.peers import start_peers, stop_peers
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2p.group import Group
-from tests.unit.test_rounds import rejected, start_peers, stop_peers
+from tests.unit.peers import rejected, start_peers, stop_peers
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -100,7 +100,7 @@ async def test_a_state_of_more_chunks_than_a_header_holds_is_described_in_full()
     # 16 bytes of digest a chunk: past ~4,000 chunks (about 1.9B parameters at the default
     # 4 MiB) they no longer fit a 64 KiB header; the joiner heard only "no donor serves".
     from p2p.config import MIN_STATE_CHUNK_BYTES as MIN_CHUNK_BYTES
-    from tests.unit.test_rounds import start_peers, stop_peers
+    from tests.unit.peers import start_peers, stop_peers
 
     peers = await start_peers(2)
     try:
@@ -125,7 +125,7 @@ async def test_a_description_that_does_not_fit_the_state_is_refused():
     import dataclasses
 
     from p2p.wire import WireError
-    from tests.unit.test_rounds import start_peers, stop_peers
+    from tests.unit.peers import start_peers, stop_peers
 
     peers = await start_peers(2)
     try:
@@ -150,7 +150,7 @@ async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state
     # A copy of θ and the momentum held every round would be 8 bytes per parameter on every
     # host for joins that rarely come: none exists until a peer asks for the state.
     from p2p.wire import WireError
-    from tests.unit.test_rounds import start_peers, stop_peers
+    from tests.unit.peers import start_peers, stop_peers
 
     peers = await start_peers(2)
     try:
@@ -192,7 +192,7 @@ async def test_a_chain_lacking_only_its_newest_certificate_is_waited_for_and_for
     from p2p.identity import generate_identity
     from p2p.records import RecordSigner
     from p2p.transfer import NoChain
-    from tests.unit.test_rounds import start_peers, stop_peers
+    from tests.unit.peers import start_peers, stop_peers
 
     monkeypatch.setattr(p2p.transfer, "CERT_WAIT_SECONDS", 2.0)
     signers = sorted((RecordSigner.from_identity(generate_identity()) for _ in range(3)), key=lambda s: s.peer_id)
@@ -242,7 +242,7 @@ async def test_chunks_are_pulled_several_at_a_time_and_a_lying_donor_counts_once
     from p2p import stateserver, transfer
     from p2p.commits import CommitLog
     from p2p.stateserver import StateServer
-    from tests.unit.test_rounds import start_peers, stop_peers
+    from tests.unit.peers import start_peers, stop_peers
 
     peers = await start_peers(3)
     try:
