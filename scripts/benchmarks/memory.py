@@ -23,7 +23,8 @@ outer steps with no model (``outer_memory_peer.py``), as a GPU host's RAM sees t
 is the GPU host's bytes per parameter, against the goal of 14.
 
 With ``--smoke`` (toy sizes, figures that mean nothing) the two sizes of each measurement run
-side by side, each pair of hosts on a run id of its own: the tests run the smoke every time.
+side by side, each pair of hosts on a run id of its own, and the hosts train on one sequence of
+16 tokens per inner step: the tests run the smoke every time, for the code path only.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def measure(model: str, ranks: int, args) -> dict:
               "--nproc-per-node", str(ranks), "--min-peers", "2",
               "--inner-steps", str(args.inner_steps), "--max-rounds", str(args.rounds), "--metrics-addr", "off",
               "--control", "off", "--threads", "1", "--set", f"swarm.codec={args.codec}",
-              "--set", "swarm.heartbeat_interval=0.5", "--set", "data.batch_size=4", "--set", "data.seq_len=64",
+              "--set", "swarm.heartbeat_interval=0.5", "--set", f"data.batch_size={args.batch_size}",
+              "--set", f"data.seq_len={args.seq_len}",
               "--set", "data.eval_every=0"]
     logs = [work / "a.log", work / "b.log"]
     procs = [subprocess.Popen([str(NODE_BIN), "start", *common], stdout=open(logs[0], "wb"), stderr=subprocess.STDOUT)]
@@ -80,8 +82,13 @@ def measure(model: str, ranks: int, args) -> dict:
     done = threading.Event()
 
     def sample() -> None:
+        # Walking all of /proc costs ~3 ms: the host's processes are listed once a second (its ranks
+        # and p2pd start once, in round 1's warm-up), their memory read every 50 ms.
+        tree, listed = [], 0.0
         while not done.is_set():
-            samples.append((time.time(), sum(rss_bytes(p) for p in process_tree(procs[0].pid))))
+            if time.monotonic() - listed >= 1.0:
+                tree, listed = process_tree(procs[0].pid), time.monotonic()
+            samples.append((time.time(), sum(rss_bytes(p) for p in tree)))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -92,9 +99,16 @@ def measure(model: str, ranks: int, args) -> dict:
             raise RuntimeError(f"the first host did not start:\n{log_tail(logs[0])}")
         procs.append(subprocess.Popen([str(NODE_BIN), "start", *common, "--bootstrap", addr],
                                       stdout=open(logs[1], "wb"), stderr=subprocess.STDOUT))
-        for p, log in zip(procs, logs):
-            if p.wait(1800) != 0:
+        deadline = time.monotonic() + 1800
+        while any(p.poll() is None for p in procs):  # either host failing ends the run at once
+            failed = [(p, log) for p, log in zip(procs, logs) if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                p, log = failed[0] if failed else (procs[0], logs[0])
                 raise RuntimeError(f"{log.name} exited {p.returncode}:\n{log_tail(log)}")
+            time.sleep(0.2)
+        failed = [(p, log) for p, log in zip(procs, logs) if p.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{failed[0][1].name} exited {failed[0][0].returncode}:\n{log_tail(failed[0][1])}")
     finally:
         done.set()
         sampler.join()
@@ -155,6 +169,8 @@ def run(args) -> dict:
     args.rounds = args.rounds or (2 if smoke else 3 if args.quick else 4)
     # A phase of inner steps must outlast a few 50 ms samples, or none of them lands inside it.
     args.inner_steps = args.inner_steps or (4 if smoke else 3)
+    # Sequences per inner step and their length: --smoke only runs the code path, with the least compute.
+    args.batch_size, args.seq_len = (1, 16) if smoke else (4, 64)
     if args.outer_params is None:
         args.outer_params = "1000000,2000000" if smoke else "16000000,64000000"
     if args.rounds < 2:

@@ -49,6 +49,8 @@ phase's inner-step seconds, the gap after it, the round's all-reduce (median
 and max), when the round committed (from the first phase's start), how far
 apart the nodes committed, members, and whether all nodes committed the same
 parameters. The node logs are kept in ``OUT/utilization-logs/MODE/``.
+
+With ``--smoke`` (figures that mean nothing) the modes' swarms run at the same time.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.swarmbench_common import (_STAMP, RESYNC, SCRIPTS, aborted_attempts, commits, log_tail, median,
@@ -259,13 +262,23 @@ def run(args: argparse.Namespace) -> dict:
     node_rows, summary, rounds, notes = [], {}, {}, []
     from p2p.identity import generate_identity, peer_id_from_key
 
-    key = generate_identity()
-    (workdir / "node0.key").write_bytes(key)
-    identity = (workdir / "node0.key", peer_id_from_key(key))
+    identities = []  # node 0's, one per mode: with --smoke the modes' swarms run at the same time
+    for mode in args.overlap:
+        key = generate_identity()
+        (workdir / f"node0-{mode}.key").write_bytes(key)
+        identities.append((workdir / f"node0-{mode}.key", peer_id_from_key(key)))
     try:
         with netbed.Testbed(args.nodes, rate=args.rate, prefix=f"{args.prefix}{os.getpid() % 100000}u") as tb:
-            for k, mode in enumerate(args.overlap):
-                rows, table = run_mode(tb, mode, k, args, workdir, logroot / mode, identity)
+            def one(k: int):
+                mode = args.overlap[k]
+                return run_mode(tb, mode, k, args, workdir, logroot / mode, identities[k])
+
+            if smoke:  # side by side (ports and run ids of their own): the figures mean nothing, half the wall
+                with ThreadPoolExecutor(len(args.overlap)) as pool:
+                    results = list(pool.map(one, range(len(args.overlap))))
+            else:
+                results = [one(k) for k in range(len(args.overlap))]
+            for mode, (rows, table) in zip(args.overlap, results):
                 node_rows += rows
                 summary[mode] = {f: median(r[f] for r in rows) for f in SUMMARY_FIELDS}
                 summary[mode].update(resyncs=sum(r["resyncs"] for r in rows), aborts=sum(r["aborts"] for r in rows),
