@@ -152,7 +152,7 @@ class PartAudit:
         accuser if the evidence does not hold."""
         j, k = self._piece(group, header)
         declared = hfield(header, "d", bytes)
-        await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout)
+        await group.placed(j, k, asyncio.get_running_loop().time() + self.request_timeout, failed_too=True)
         if declared != group.audit.declared[j][k]:  # the owner told us otherwise, or the accuser lies: no blame
             group.fail("digest_mismatch", f"declarations of piece {k} of {group.members[j][-8:]}'s part differ")
             await reply(writer, {"ok": True})

@@ -277,8 +277,11 @@ class Group:
 
     # ---- waiting on the exchange -------------------------------------------------
 
-    async def placed(self, index: int, k: int, deadline: float) -> None:
-        """Return once piece ``k`` of part ``index`` is placed here."""
+    async def placed(self, index: int, k: int, deadline: float, *, failed_too: bool = False) -> None:
+        """Return once piece ``k`` of part ``index`` is placed here. ``failed_too``: at once if it
+        is, even when the attempt has failed since (its declaration can still be checked)."""
+        if failed_too and self._placed[index][k] is not None:
+            return
         await self._wait(lambda: self._placed[index][k] is not None, deadline)
 
     def digest(self) -> bytes:

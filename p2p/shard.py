@@ -195,6 +195,7 @@ class ShardPlane:
         self.group: Group | None = None
         self._group_set = asyncio.Event()
         self._ended: BoundedDict = BoundedDict(64)  # ids of our recent groups, over now
+        self._left: Group | None = None  # the last of them, for evidence that comes after (_on_evidence)
         self.exchange = PartExchange(dial.open, metrics, reject, deadlines, faults)
         # Every member checks a sampled piece of another's part before it votes (p2p/audit.py).
         self.audits = PartAudit(codec, metrics, dial.call, dial.send, reject, offence, request_timeout)
@@ -311,6 +312,7 @@ class ShardPlane:
     def leave(self, group: Group) -> None:
         """The attempt is over: requests naming it are answered at once from now on."""
         self._ended[group.id] = True
+        self._left = group
         if self.group is group:
             self.group = None
 
@@ -357,7 +359,17 @@ class ShardPlane:
         await self.exchange.serve(group, index, header, reader, writer)
 
     async def _on_evidence(self, sender: str, header: dict, reader, writer) -> None:
-        group, _ = await self.group_for(sender, header)
+        # An auditor fails the attempt and then sends its evidence: the abort may reach this member
+        # first, and it leaves the group. The evidence is checked against the group it names all
+        # the same (the last one left, so one group's buffers at most are kept), or every member
+        # but the auditor would let the owner's lie go.
+        left = self._left
+        if left is not None and left.id == hfield(header, "g", bytes):
+            if left.member_index(sender) is None:
+                raise RoundFailed("not_a_member")
+            group = left
+        else:
+            group, _ = await self.group_for(sender, header)
         await self.audits.on_evidence(group, sender, header, reader, writer)
 
     async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:

@@ -63,6 +63,15 @@ async def settle(peers) -> None:
 STEADY = dict(heartbeat_interval=1.0)
 
 
+async def wait_for(predicate, timeout: float) -> None:
+    """Until ``predicate()`` holds, checked every 10 ms; AssertionError after ``timeout`` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not the case after {timeout} s: {predicate}")
+        await asyncio.sleep(0.01)
+
+
 async def seen_ready(peers, peer_id: str, round: int = 0) -> None:
     """Until every one of ``peers`` sees ``peer_id`` ready for ``round``."""
     for _ in range(200):
