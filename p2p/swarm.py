@@ -44,6 +44,11 @@ from p2p.records import RecordSigner, RunRecordValidator, max_ttl, peer_table_ke
 from trainer.files import atomic_write
 from trainer.fingerprint import Fingerprint
 
+# How long p2pd may take to start and answer (a new process, its key, its listeners). Not a
+# peer's request: request_timeout (5 s in the tests' settings) was too short for a node starting
+# among a loaded machine's other processes ("Daemon failed to start in 5.0 seconds", 2026-12-06).
+P2PD_STARTUP_SECONDS = 60.0
+
 log = logging.getLogger(__name__)
 
 
@@ -147,7 +152,7 @@ class Swarm:
                 use_relay=nat,
                 use_auto_relay=nat,
                 use_ipfs=False,
-                startup_timeout=config.request_timeout,
+                startup_timeout=max(config.request_timeout, P2PD_STARTUP_SECONDS),
             )
         return cls(config, run_id, p2p, None, on_reject, membership=membership)
 
