@@ -98,7 +98,8 @@ class TrainingLoop:
         wall-clock target or the swarm's token budget for the round is reached."""
         cfg = self.worker.inner_cfg
         if not (cfg.round_seconds or cfg.round_tokens):
-            return await self.compute(self.worker.inner_steps, self.inner_steps - round_step, self.stop_flag.is_set)
+            return await self.compute(self.worker.inner_steps, self.inner_steps - round_step,
+                                      self.rounds.faults.paced(self.stop_flag.is_set, self.stop_flag))
         started, first_step = time.monotonic(), self.worker.inner_step
         done_before = round_step * self.tokens_per_step  # resumed mid-round
         swarm_tokens = 0  # other peers' tokens towards the same round, from their heartbeats
@@ -127,7 +128,8 @@ class TrainingLoop:
 
         monitor = asyncio.ensure_future(share_progress()) if cfg.round_tokens else None
         try:
-            stats = await self.compute(self.worker.inner_steps, 1 << 62, should_stop)
+            stats = await self.compute(self.worker.inner_steps, 1 << 62,
+                                       self.rounds.faults.paced(should_stop, self.stop_flag))
         finally:
             if monitor is not None:
                 monitor.cancel()

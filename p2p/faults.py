@@ -13,6 +13,12 @@ the committed round + 1) in a group of at least MEMBERS peers. Phases:
 ``GONKA_TEST_HOLD_FIRST_DOWNLOAD=SECONDS`` holds the node's first downloaded state
 that long before loading it, so a test can make the swarm commit meanwhile.
 
+``GONKA_TEST_STEP_SECONDS=SECONDS`` makes every inner step wait that long before it
+runs, as a host whose steps run on an accelerator waits on it with an idle CPU: a
+test swarm's rounds then last as long as the test needs without keeping the machine's
+cores busy (a tiny model's steps on a CPU are otherwise back to back, and a swarm of
+three saturates two cores whatever the test waits for).
+
 The variables are read once, at start-up (``from_environ``, called by
 ``node.config.load_injection``), into a ``Faults`` that is handed to the components
 that act on it (``RoundProtocol``, ``ShardPlane`` and its ``PartExchange``,
@@ -26,11 +32,13 @@ import logging
 import math
 import os
 import signal
+import threading
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 ENV = "GONKA_TEST_FAULT"
 HOLD_ENV = "GONKA_TEST_HOLD_FIRST_DOWNLOAD"
+STEP_ENV = "GONKA_TEST_STEP_SECONDS"
 PHASES = ("grouped", "reduce", "gather", "commit", "serve")
 
 log = logging.getLogger(__name__)
@@ -44,13 +52,27 @@ class Faults:
     round: int = 0  # ... at that phase of this round or a later one
     members: int = 0  # ... in a group of at least this many members
     hold_seconds: float = 0.0  # the first downloaded state waits this long (once)
+    step_seconds: float = 0.0  # every inner step waits this long first
 
     def __post_init__(self) -> None:
-        assert self.phase in ("", *PHASES) and self.round >= 0 and self.members >= 0 and self.hold_seconds >= 0
+        assert self.phase in ("", *PHASES) and self.round >= 0 and self.members >= 0
+        assert self.hold_seconds >= 0 and self.step_seconds >= 0
 
     @property
     def any(self) -> bool:
-        return bool(self.phase) or self.hold_seconds > 0
+        return bool(self.phase) or self.hold_seconds > 0 or self.step_seconds > 0
+
+    def paced(self, should_stop: Callable[[], bool], stop: threading.Event) -> Callable[[], bool]:
+        """``should_stop`` (asked before every inner step), waiting ``step_seconds`` first, or
+        until ``stop`` is set, when a test asked for paced steps."""
+        if not self.step_seconds:
+            return should_stop
+
+        def paced() -> bool:
+            stop.wait(self.step_seconds)
+            return should_stop()
+
+        return paced
 
     def checkpoint(self, phase: str, round: int, members: int = 0) -> None:
         """Die here if the test asked for a fault at this phase of this round."""
@@ -71,8 +93,19 @@ class Faults:
 NO_FAULTS = Faults()  # acts on nothing, so sharing it is safe
 
 
-def parse(fault: str = "", hold: str = "") -> Faults:
-    """``PHASE@ROUND[:MEMBERS]`` and ``SECONDS`` as above ("": none); ValueError naming the variable."""
+def _seconds(text: str, variable: str) -> float:
+    try:
+        seconds = float(text or 0.0)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{variable}: expected a number of seconds (got {text!r})")
+    return seconds
+
+
+def parse(fault: str = "", hold: str = "", step: str = "") -> Faults:
+    """``PHASE@ROUND[:MEMBERS]``, ``SECONDS`` and ``SECONDS`` as above ("": none); ValueError
+    naming the variable."""
     phase, round, members = "", 0, 0
     if fault:
         phase, _, rest = fault.partition("@")
@@ -80,15 +113,9 @@ def parse(fault: str = "", hold: str = "") -> Faults:
         if phase not in PHASES or not round_text.isdigit() or not (members_text or "0").isdigit():
             raise ValueError(f"{ENV}: expected PHASE@ROUND[:MEMBERS] with PHASE in {', '.join(PHASES)} (got {fault!r})")
         round, members = int(round_text), int(members_text or 0)
-    try:
-        seconds = float(hold or 0.0)
-    except ValueError:
-        seconds = -1.0
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"{HOLD_ENV}: expected a number of seconds (got {hold!r})")
-    return Faults(phase, round, members, seconds)
+    return Faults(phase, round, members, _seconds(hold, HOLD_ENV), _seconds(step, STEP_ENV))
 
 
 def from_environ(environ: Mapping[str, str]) -> Faults:
-    """The faults a test set in ``environ`` (``ENV``, ``HOLD_ENV``)."""
-    return parse(environ.get(ENV, ""), environ.get(HOLD_ENV, ""))
+    """The faults a test set in ``environ`` (``ENV``, ``HOLD_ENV``, ``STEP_ENV``)."""
+    return parse(environ.get(ENV, ""), environ.get(HOLD_ENV, ""), environ.get(STEP_ENV, ""))

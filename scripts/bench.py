@@ -7,7 +7,7 @@ a table. A benchmark is a callable ``run(args) -> dict``; the dict's ``rows``
 every other key is kept in the JSON as is. ``--quick`` asks for a smaller,
 faster run meant as a smoke test, not for numbers to quote; ``--smoke`` (which
 implies ``--quick``) the smallest run that still fills every row of the table,
-toy sizes and seconds each, which the tests run (tests/unit/test_bench_smoke.py).
+toy sizes and seconds each, which CI runs after the suite (tests/smoke/test_bench_smoke.py).
 """
 
 from __future__ import annotations

@@ -26,6 +26,11 @@ FAST = [
     "--set", "data.batch_size=4", "--set", "data.seq_len=32", "--set", "data.eval_batches=2",
 ]
 
+# Every inner step waits this long first, as a host's steps wait on its accelerator with the CPU
+# idle (p2p/faults.py): a swarm's rounds then leave the machine's cores to the suite's other
+# processes (tests/streams.py) instead of spinning through tiny steps back to back.
+STEP_ENV, STEP_SECONDS = "GONKA_TEST_STEP_SECONDS", "0.05"
+
 # The bound docs/faults.md documents for the FAST settings of nodes.py: a survivor commits
 # within round_timeout (detect) + max(3 heartbeats, request_timeout) (regroup)
 # + round_timeout (the retried all-reduce) of a fault.
@@ -85,7 +90,7 @@ class NodeProc:
         cmd = [str(BIN), "start", *FAST, "--status-file", str(self.status_path), "--control", self.control, *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, STEP_ENV: STEP_SECONDS, **(env or {})})
         self.known_children: set[int] = set()
         registry.append(self)
 

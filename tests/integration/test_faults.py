@@ -96,12 +96,13 @@ def test_sigstopped_member_is_left_out_then_resyncs(nodes):
 
 def test_joiner_survives_a_donor_dying_mid_download(nodes):
     # Small pieces so each of the three donors is asked for some; one dies when asked. Rounds
-    # last 15 s of inner steps whatever the machine's load (a joiner starts in ~3 s and downloads
-    # the tiny state in under 1), and the joiner starts right after all three committed the same
-    # round: every donor holds the state it asks for, so the one set to die is asked (not hoped
-    # to be asked) while the others still serve.
-    chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "1000000", "--set", "inner.round_seconds=15"]
-    swarm = start_swarm(nodes, 3, env_for={2: {"GONKA_TEST_FAULT": "serve@1"}}, extra=chunk)
+    # last 15 s (30 inner steps that each wait 0.5 s, as on an accelerator) whatever the machine's
+    # load (a joiner starts in ~3 s and downloads the tiny state in under 1), and the joiner
+    # starts right after all three committed the same round: every donor holds the state it asks
+    # for, so the one set to die is asked (not hoped to be asked) while the others still serve.
+    chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "30"]
+    slow = {"GONKA_TEST_STEP_SECONDS": "0.5"}
+    swarm = start_swarm(nodes, 3, env_for={0: slow, 1: slow, 2: {**slow, "GONKA_TEST_FAULT": "serve@1"}}, extra=chunk)
 
     def same_round():
         states = [n.rounds() for n in swarm]
@@ -110,7 +111,7 @@ def test_joiner_survives_a_donor_dying_mid_download(nodes):
             all(max(s) == max(common) for s in states)
 
     wait_until(same_round, 150, "all donors on one committed round")
-    joiner = nodes("joiner", *COMMON, *chunk, "--bootstrap", swarm[0].address())
+    joiner = nodes("joiner", *COMMON, *chunk, "--bootstrap", swarm[0].address(), env=slow)
     assert swarm[2].wait_exit(120) == -signal.SIGKILL, swarm[2].log()[-3000:]
     assert "SIGKILL at serve" in swarm[2].log()
     wait_until(lambda: "reason=join" in joiner.log(), 120, "the joiner to finish its download")

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from tests.integration.nodes import STEP_ENV
 from tests.integration.test_faults import stop_and_check_consistent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -21,8 +22,9 @@ def trained(node) -> dict[int, tuple[int, float]]:
 
 def pair(nodes, *rule):
     common = ["--min-peers", "2", "--inner-steps", "1000000", "--set", f"data.seq_len={SEQ}", *rule]
-    fast = nodes("fast", *common, "--set", f"data.batch_size={FAST_BATCH}")
-    slow = nodes("slow", *common, "--set", f"data.batch_size={SLOW_BATCH}", "--bootstrap", fast.address())
+    unpaced = {STEP_ENV: "0"}  # the hosts' own speeds, nothing added to their steps
+    fast = nodes("fast", *common, "--set", f"data.batch_size={FAST_BATCH}", env=unpaced)
+    slow = nodes("slow", *common, "--set", f"data.batch_size={SLOW_BATCH}", "--bootstrap", fast.address(), env=unpaced)
     return fast, slow
 
 

@@ -28,6 +28,7 @@ EXAMPLES = {
     "GONKA_NATIVE_DIR": "/tmp/gonka-native",
     "GONKA_TEST_FAULT": "reduce@2",
     "GONKA_TEST_HOSTILE": "abort",
+    "GONKA_TEST_STEP_SECONDS": "0.05",
 }
 
 
