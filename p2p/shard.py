@@ -332,11 +332,13 @@ class ShardPlane:
         group.mark("audited")
         return group.digest()
 
-    async def group_for(self, sender: str, header: dict) -> tuple[Group, int]:
-        """The current group named by the header, with the sender's index; refuse strangers."""
+    async def group_for(self, sender: str, header: dict, *, left_too: bool = False) -> tuple[Group, int]:
+        """The current group named by the header, with the sender's index; refuse strangers.
+        ``left_too``: the group this member left last, if it is the one named."""
         gid = hfield(header, "g", bytes)
         deadline = time.monotonic() + self.request_timeout
-        while self.group is None or self.group.id != gid:
+        left = self._left if left_too and self._left is not None and self._left.id == gid else None
+        while left is None and (self.group is None or self.group.id != gid):
             # A member may hear from another member before its own group is installed.
             if gid in self._ended or time.monotonic() > deadline:
                 raise RoundFailed("unknown_group")
@@ -346,7 +348,7 @@ class ShardPlane:
                     await self._group_set.wait()
             except TimeoutError:
                 pass
-        group = self.group
+        group = left or self.group
         index = group.member_index(sender)
         if index is None:
             raise RoundFailed("not_a_member")
@@ -363,13 +365,7 @@ class ShardPlane:
         # first, and it leaves the group. The evidence is checked against the group it names all
         # the same (the last one left, so one group's buffers at most are kept), or every member
         # but the auditor would let the owner's lie go.
-        left = self._left
-        if left is not None and left.id == hfield(header, "g", bytes):
-            if left.member_index(sender) is None:
-                raise RoundFailed("not_a_member")
-            group = left
-        else:
-            group, _ = await self.group_for(sender, header)
+        group, _ = await self.group_for(sender, header, left_too=True)
         await self.audits.on_evidence(group, sender, header, reader, writer)
 
     async def _on_audit(self, sender: str, header: dict, reader, writer) -> None:

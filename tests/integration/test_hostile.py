@@ -30,11 +30,10 @@ def commits(node) -> list[tuple[int, str, int]]:
 def cpu_load():
     """Another CPU-bound job on the machine, as CI may have: a busy process, with the 4 nodes on
     2 cores (and in ./scripts/test the suite's other pytest processes beside them)."""
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(1)]
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     yield
-    for b in burners:
-        b.kill()
-        b.wait(10)
+    burner.kill()
+    burner.wait(10)
 
 
 def test_a_killed_member_never_splits_the_survivors_under_cpu_load(nodes, cpu_load):
