@@ -29,22 +29,24 @@ STREAMS = 3
 DIRECTORIES = ("tests/unit", "tests/integration", "tests/testbed")
 TOGETHER = ("tests/testbed",)  # directories whose files run in one stream, in order
 DEFAULT = 2.0
-# Wall seconds of the longer files in one serial run (2026-12-06, before the streams).
+# Wall seconds of the longer files in one run of the suite in streams (2026-12-06, 3 streams).
 SECONDS = {
-    "tests/integration/test_faults.py": 145, "tests/integration/test_host_ranks.py": 84,
-    "tests/integration/test_hostile.py": 57, "tests/testbed/test_wan_swarm.py": 55,
-    "tests/integration/test_heterogeneous.py": 31, "tests/integration/test_fingerprint.py": 29,
-    "tests/integration/test_closed_swarm.py": 27, "tests/integration/test_resume.py": 25,
-    "tests/integration/test_overlap.py": 24, "tests/testbed/test_testbed.py": 23,
-    "tests/integration/test_hf_run.py": 22, "tests/unit/test_hostile_conduct.py": 20,
-    "tests/unit/test_simulator.py": 19, "tests/integration/test_swarm.py": 19, "tests/unit/test_rounds.py": 19,
-    "tests/unit/test_determinism.py": 17, "tests/integration/test_simulator_matches.py": 16,
-    "tests/integration/test_bad_model_input.py": 15, "tests/unit/test_meeting.py": 14,
-    "tests/unit/test_hostile.py": 12, "tests/unit/test_export.py": 12, "tests/unit/test_cli.py": 11,
-    "tests/integration/test_prometheus.py": 10, "tests/unit/test_data.py": 9,
-    "tests/integration/test_lifecycle.py": 9, "tests/unit/test_prepare.py": 8, "tests/unit/test_parallel.py": 7,
-    "tests/integration/test_top.py": 7, "tests/unit/test_transfer.py": 7, "tests/unit/test_wire.py": 6,
-    "tests/integration/test_history.py": 6, "tests/testbed/test_wan.py": 5, "tests/unit/test_presets.py": 5,
+    "tests/integration/test_faults.py": 250, "tests/integration/test_host_ranks.py": 182,
+    "tests/testbed/test_wan_swarm.py": 135, "tests/integration/test_resume.py": 103,
+    "tests/integration/test_hostile.py": 103, "tests/integration/test_overlap.py": 82,
+    "tests/unit/test_simulator.py": 68, "tests/integration/test_fingerprint.py": 68,
+    "tests/integration/test_heterogeneous.py": 58, "tests/integration/test_hf_run.py": 56,
+    "tests/integration/test_closed_swarm.py": 55, "tests/integration/test_swarm.py": 51,
+    "tests/unit/test_rounds.py": 47, "tests/unit/test_hostile.py": 47,
+    "tests/integration/test_simulator_matches.py": 47, "tests/testbed/test_testbed.py": 44,
+    "tests/unit/test_hostile_conduct.py": 38, "tests/unit/test_export.py": 28, "tests/unit/test_parallel.py": 27,
+    "tests/unit/test_meeting.py": 26, "tests/integration/test_bad_model_input.py": 25, "tests/unit/test_cli.py": 19,
+    "tests/unit/test_prepare.py": 18, "tests/integration/test_lifecycle.py": 18,
+    "tests/integration/test_prometheus.py": 17, "tests/unit/test_outer.py": 12, "tests/unit/test_model.py": 12,
+    "tests/integration/test_history.py": 12, "tests/unit/test_presets.py": 11, "tests/unit/test_transfer.py": 10,
+    "tests/testbed/test_wan.py": 10, "tests/integration/test_top.py": 10, "tests/unit/test_data.py": 9,
+    "tests/unit/test_determinism.py": 8, "tests/unit/test_allocator.py": 8, "tests/unit/test_wire.py": 7,
+    "tests/unit/test_signing.py": 6, "tests/unit/test_dialing.py": 4,
 }
 
 
@@ -76,11 +78,15 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="gonka-tests-"))
     started = time.monotonic()
     procs = []
+    # One intra-op thread per pytest process: with more processes than cores, an OpenMP team of
+    # two waits for a core another process holds, and its threads spin at every barrier meanwhile
+    # (test_simulator.py beside a busy process: 65 CPU-s with two threads, 41 with one, and faster).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for i, files in enumerate(streams):
         log = open(base / f"stream{i}.log", "wb")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(base / f"s{i}"), *files]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True), log, i))
+                                       start_new_session=True, env=env), log, i))
     print(f"{len(procs)} pytest processes side by side (tests/streams.py), logs in {base}", flush=True)
 
     def stop(signum, _frame):

@@ -1,5 +1,5 @@
 """Injected faults in real swarms on loopback: a member SIGKILLed at each phase of a
-4-peer round, a member SIGSTOPped past the deadline (and its first download held), a donor
+round (one swarm, one death at a time), a member SIGSTOPped past the deadline (and its first download held), a donor
 killed mid-download.
 Every test ends by checking that all survivors hold the same parameters."""
 
@@ -39,25 +39,35 @@ def stop_and_check_consistent(survivors) -> None:
 
 
 # A member killed in the reduce phase: tests/integration/test_hostile.py, under CPU load.
-@pytest.mark.parametrize("phase", ["grouped", "gather", "commit"])
-def test_sigkill_member_of_a_4_peer_round(nodes, phase):
-    # The victim dies at `phase` of the first round >= 2 it averages with 4 members.
-    swarm = start_swarm(nodes, 4, env_for={3: {"GONKA_TEST_FAULT": f"{phase}@2:4"}})
-    victim, survivors = swarm[3], swarm[:3]
-    assert victim.wait_exit(150) == -signal.SIGKILL, victim.log()[-3000:]
-    died = time.time()
-    m = re.search(r"SIGKILL at \w+ of round (\d+)", victim.log())
-    assert m, victim.log()[-2000:]
-    fault_round = int(m.group(1))
-    for n in survivors:
-        n.wait_round(fault_round + 1, timeout=BOUND + 60)
-    # Each survivor committed the fault round (or the one after) within the bound.
-    for n in survivors:
-        after = [t for t, r in commit_times(n) if r >= fault_round and t >= died - 1]
-        assert after and after[0] - died <= BOUND, (after, died)
-    if phase != "commit":
-        assert any(f"aborted round={fault_round}" in n.log() for n in survivors)
-    ids = {n.peer_id()[-8:] for n in survivors}  # the aborts a death sets off quarantine no survivor
+# One swarm of six loses a member at each of the three other phases, one death at a time: the
+# first when grouped (round >= 2), the next at gather (round >= 6) once the swarm has recovered
+# and committed again, the last at commit (round >= 10), each in a group of at least 4.
+PHASES = (("grouped", 2), ("gather", 6), ("commit", 10))
+
+
+def test_sigkill_a_member_at_each_phase_of_a_round(nodes):
+    victims_at = {5 - i: f"{phase}@{round}:4" for i, (phase, round) in enumerate(PHASES)}
+    swarm = start_swarm(nodes, 6, env_for={i: {"GONKA_TEST_FAULT": fault} for i, fault in victims_at.items()})
+    alive = list(swarm)
+    for i, (phase, _) in zip(victims_at, PHASES):
+        victim = swarm[i]
+        assert victim.wait_exit(150) == -signal.SIGKILL, victim.log()[-3000:]
+        died = time.time()
+        alive.remove(victim)
+        m = re.search(rf"SIGKILL at {phase} of round (\d+)", victim.log())
+        assert m, victim.log()[-2000:]
+        fault_round = int(m.group(1))
+        for n in alive:
+            n.wait_round(fault_round + 1, timeout=BOUND + 60)
+        # Each survivor committed the fault round (or the one after) within the bound.
+        for n in alive:
+            after = [t for t, r in commit_times(n) if r >= fault_round and t >= died - 1]
+            assert after and after[0] - died <= BOUND, (phase, n.name, after, died)
+        if phase != "commit":
+            assert any(f"aborted round={fault_round}" in n.log() for n in alive), phase
+    survivors = swarm[:3]
+    assert alive == survivors
+    ids = {n.peer_id()[-8:] for n in survivors}  # the aborts the deaths set off quarantine no survivor
     assert not any(n.quarantined() & ids for n in survivors), [(n.name, n.quarantined()) for n in survivors]
     stop_and_check_consistent(survivors)
 
