@@ -14,6 +14,9 @@
  * Rate is not shaped here: tbf on the TAP egresses does that before a frame
  * reaches this process (serialisation first, then propagation, as on a line).
  *
+ * It runs at real-time priority (SCHED_FIFO 10, when allowed) so that CPU-bound
+ * hosts on the same machine do not delay its frames.
+ *
  * Lifecycle: prints "ready" on stdout once both TAPs exist, then stays in
  * --b-ns (so `ip netns pids` of the switch finds it). It dies with its parent
  * (PR_SET_PDEATHSIG) unless SIGUSR2 detaches it (a testbed handed over with
@@ -306,6 +309,15 @@ int main(int argc, char **argv) {
         if (epoll_ctl(ep, EPOLL_CTL_ADD, fds[i], &ev) < 0)
             die("epoll_ctl");
     }
+
+    /* A wire does not wait for a CPU: the hosts beside it on this machine may keep every core
+     * busy (a test suite, a benchmark), and a frame held behind them arrives late. Real-time
+     * priority lets the line run as soon as a frame or its release time is due; it sleeps in
+     * epoll_wait otherwise. Not allowed (no CAP_SYS_NICE): it runs as before. */
+    struct sched_param rt = {.sched_priority = 10};
+    if (sched_setscheduler(0, SCHED_FIFO, &rt) < 0)
+        fprintf(stderr, "delayline: real-time priority refused (%s); frames may be late under CPU load\n",
+                strerror(errno));
 
     int detached = 0;
     write_stats(stats, dirs, detached);

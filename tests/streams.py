@@ -42,9 +42,9 @@ SECONDS = {
     "tests/unit/test_hostile_conduct.py": 38, "tests/unit/test_export.py": 28, "tests/unit/test_parallel.py": 27,
     "tests/unit/test_meeting.py": 26, "tests/integration/test_bad_model_input.py": 25, "tests/unit/test_cli.py": 19,
     "tests/unit/test_prepare.py": 18, "tests/integration/test_lifecycle.py": 18,
-    "tests/integration/test_prometheus.py": 17, "tests/unit/test_outer.py": 12, "tests/unit/test_model.py": 12,
+    "tests/integration/test_operator.py": 30, "tests/unit/test_outer.py": 12, "tests/unit/test_model.py": 12,
     "tests/integration/test_history.py": 12, "tests/unit/test_presets.py": 11, "tests/unit/test_transfer.py": 10,
-    "tests/testbed/test_wan.py": 10, "tests/integration/test_top.py": 10, "tests/unit/test_data.py": 9,
+    "tests/testbed/test_wan.py": 10, "tests/unit/test_data.py": 9,
     "tests/unit/test_determinism.py": 8, "tests/unit/test_allocator.py": 8, "tests/unit/test_wire.py": 7,
     "tests/unit/test_signing.py": 6, "tests/unit/test_dialing.py": 4,
 }

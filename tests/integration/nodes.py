@@ -150,9 +150,26 @@ class NodeProc:
         self._log.close()
 
 
-def commit_times(node) -> list[tuple[float, int]]:
-    """(wall time, round) of every commit in the node's log."""
+def commit_times(node, resynced: bool = False) -> list[tuple[float, int]]:
+    """(wall time, round) of every commit in the node's log (and, with ``resynced``, of every
+    committed state it downloaded instead, as a member left out of a round does)."""
+    kinds = "committed|resynced" if resynced else "committed"
     out = []
-    for stamp, r in re.findall(r"^(\S+ \S+),\d+ INFO gonka.node: committed round=(\d+)", node.log(), re.M):
+    for stamp, r in re.findall(rf"^(\S+ \S+),\d+ INFO gonka.node: (?:{kinds}) round=(\d+)", node.log(), re.M):
         out.append((time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")), int(r)))
     return out
+
+
+def check_recovered(survivors, fault_round: int, died: float) -> None:
+    """After a member died in ``fault_round`` at ``died``: a majority of the survivors committed
+    that round (or a later one) within BOUND of the death, and every survivor holds such a
+    committed state within BOUND, by its own commit or, left out of the retried round as a
+    straggler, by downloading it (docs/faults.md, "Bounded time")."""
+    def first_after(node, resynced: bool) -> float | None:
+        times = [t for t, r in commit_times(node, resynced) if r >= fault_round and t >= died - 1]
+        return times[0] if times else None
+
+    reached = {n.name: first_after(n, True) for n in survivors}
+    assert all(t is not None and t - died <= BOUND for t in reached.values()), (fault_round, died, reached)
+    committed = [n.name for n in survivors if (t := first_after(n, False)) is not None and t - died <= BOUND]
+    assert 2 * len(committed) > len(survivors), (fault_round, died, committed, reached)
