@@ -29,11 +29,18 @@ def commits(node) -> list[tuple[int, str, int]]:
 @pytest.fixture
 def cpu_load():
     """Another CPU-bound job on the machine, as CI may have: a busy process, with the 4 nodes on
-    2 cores (and in ./scripts/test the suite's other pytest processes beside them)."""
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    yield
-    burner.kill()
-    burner.wait(10)
+    2 cores (and in ./scripts/test the suite's other pytest processes beside them); started by
+    the test (``cpu_load()``) once every node has started, so that it loads the rounds, not the
+    nodes' imports."""
+    burners = []
+
+    def start():
+        burners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+
+    yield start
+    for burner in burners:
+        burner.kill()
+        burner.wait(10)
 
 
 def test_a_killed_member_never_splits_the_survivors_under_cpu_load(nodes, cpu_load):
@@ -46,6 +53,9 @@ def test_a_killed_member_never_splits_the_survivors_under_cpu_load(nodes, cpu_lo
     swarm = [first, *(nodes(f"n{i}", *common, "--bootstrap", addr,
                             env={"GONKA_TEST_FAULT": "reduce@2:4"} if i == 3 else None) for i in range(1, 4))]
     victim, survivors = swarm[3], swarm[:3]
+    for n in swarm:  # started: each listens once its model is built; the round of four comes after
+        n.address()
+    cpu_load()
     assert victim.wait_exit(240) == -signal.SIGKILL, victim.log()[-3000:]
     died = time.time()
     fault_round = int(re.search(r"SIGKILL at \w+ of round (\d+)", victim.log()).group(1))

@@ -37,5 +37,3 @@ def test_eager_swarm_learns_on_identical_rounds_and_survives_a_member_killed_mid
         assert all(r >= fault_round for r in resynced), log[-3000:]
         assert n.losses()[-1] < n.losses()[0]
     stop_and_check_consistent(survivors)
-    for n in survivors:
-        assert len(n.rounds()) >= fault_round + 2
