@@ -21,7 +21,7 @@ from p2p.compression import part_bounds
 from p2p.digests import DECLARED as _DECLARED
 from p2p.group import Group
 from p2p.hostile import Behaviour
-from tests.unit.peers import (attempt, honest_inputs, keep_averaging, quarantined, rejected, seen_ready, settle,
+from tests.unit.peers import (FAST, attempt, honest_inputs, keep_averaging, quarantined, rejected, seen_ready, settle,
                               start_peers, stop_peers, STEADY, story, until_committed, wait_for)
 
 # One event loop for the module: the swarms that several tests share (module fixtures) live in it.
@@ -140,7 +140,8 @@ async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same
         async def evidence_last(peer, name, header, payload):
             if name == "evidence":
                 other = next(r for r in rounds if r.swarm.peer_id == peer)
-                await wait_for(lambda: other.plane.ended(header["g"]), 10)
+                # A member the auditor's abort did not reach first ends at its deadline (round_timeout).
+                await wait_for(lambda: other.plane.ended(header["g"]), 3 * FAST["round_timeout"])
             return await send(peer, name, header, payload)
 
         audits._send = evidence_last
@@ -154,7 +155,8 @@ async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same
         assert auditor.conduct.quarantine.quarantined(owner, time.monotonic())
         # The auditor sends its evidence (after the attempt ended everywhere): the other member
         # checks it and quarantines the owner too.
-        await wait_for(lambda: rounds[0].conduct.quarantine.quarantined(owner, time.monotonic()), 10)
+        await wait_for(lambda: rounds[0].conduct.quarantine.quarantined(owner, time.monotonic()),
+                       3 * FAST["round_timeout"])
         assert quarantined(peers[0][2], "audit_failed") == 1
         task = asyncio.ensure_future(keep_averaging(rounds[1], inputs[1]))
         rounds[0].min_peers = rounds[2].min_peers = 2
