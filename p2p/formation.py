@@ -41,11 +41,7 @@ from p2p.wire import WireError, field as hfield, reply
 
 log = logging.getLogger(__name__)
 
-# How often a gathering peer reads the run's peer table from the DHT (each read fetches and checks
-# every peer's signed record). A ready hint wakes the expected leader at once, so this bounds only
-# how late a peer that missed the hint notices a change. Three idle gathering nodes took 0.14
-# cores polling every 0.25 s, 0.086 every 1 s; at 100-250 ms RTTs a read takes about 0.25 s itself.
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.25
 WAIT_REPORT_SECONDS = 15.0  # how often a long gather says what it is waiting for
 
 
