@@ -1,6 +1,6 @@
 """Injected faults in real swarms on loopback: a member SIGKILLed at each phase of a
-round (one swarm, one death at a time), a member SIGSTOPped past the deadline (and its first download held), a donor
-killed mid-download.
+round (one swarm, one death at a time), a member SIGSTOPped past the deadline (and its
+first download held), a donor killed mid-download.
 Every test ends by checking that all survivors hold the same parameters."""
 
 import re

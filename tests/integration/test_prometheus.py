@@ -14,7 +14,6 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.integration.nodes import wait_until
 from tests.unit.test_cli import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300),
