@@ -272,7 +272,9 @@ class Node:
             await self.ranks.request("serve", maddr=str(self.swarm.p2p.daemon_listen_maddr), scope=self.swarm.scope,
                                      peer=self.swarm.peer_id, cap=weight_cap)
             rounds.shards = HostShards(self.ranks)
-        server = StateServer(self.swarm, self.metrics, commits, faults=self.injection.faults)
+        # A multi-rank host's average is of rank 0's shard only: it keeps none (joiners re-download).
+        server = StateServer(self.swarm, self.metrics, commits, faults=self.injection.faults,
+                             catchup_rounds=cfg.swarm.catchup_rounds if self.ranks is None else 0)
         if self.ranks is not None:  # a peer rank 0 serves the meta to may fetch every rank's shard
             ranks = self.ranks
             server.on_meta = lambda peer: ranks.request("allow", peer=peer)

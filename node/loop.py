@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 
 from node.status import Status
 from p2p.aggregate import counted_tokens
+from p2p.averagelog import RoundAverage
+from p2p.compression import CommittedAverage
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
-from p2p.snapshot import Snapshot
+from p2p.snapshot import Snapshot, state_bytes
 from p2p.stateserver import StateServer
 from p2p.transfer import NoChain, StateDownload
+from p2p.wire import WireError
 from trainer.diloco import DiLoCoWorker
 from trainer.round import ABORTED, BEHIND, COMMITTED, RETRY_SECONDS, PeerRounds
 
@@ -59,6 +63,7 @@ class TrainingLoop:
         self._evaluated = -1
         self._fakes = 0  # test-only hostile states served (p2p/hostile.py, fake_states)
         self.last_commit: dict | None = None  # the last committed round, for the history (node/history.py)
+        self._wire_average = None  # the round's average as it came over the wire, kept at its commit
 
     @property
     def round_step(self) -> int:
@@ -156,6 +161,8 @@ class TrainingLoop:
         avg = await self.rounds.average(delta, weight, round, state=self.status.params_hash, donate=True)
         outcome = self.rounds.last
         if avg is not None:
+            if self.server.averages.keep and isinstance(avg, CommittedAverage):
+                self._wire_average = avg.wire()  # for joiners that catch up (p2p/averagelog.py)
             return avg, COMMITTED, None
         if outcome.status == "behind":
             return None, BEHIND, outcome.reason
@@ -177,6 +184,11 @@ class TrainingLoop:
         self.metrics.round.set(self.worker.round)
         self.status.last_round_members = members
         await self.publish_state()
+        if self._wire_average is not None:
+            codec, pieces, payloads = self._wire_average
+            self._wire_average = None
+            self.server.averages.add(RoundAverage(self.worker.round, prev_hash, self.status.params_hash, codec,
+                                                  pieces, payloads))
         self.rounds.commits.hold(self.worker.round, self.status.params_hash)
         self.rounds.certify(prev_hash, self.status.params_hash)
         if overlapped:
@@ -271,6 +283,16 @@ class TrainingLoop:
                 continue
             self.set_state("joining")
             download = StateDownload(self.swarm, self.metrics, self.server.name)
+            # Left out of a few rounds (stopped, slow, cut off): their averages are enough.
+            if why == "behind" and await self.catch_up(download) and \
+                    self.decide(await self.swarm.refresh_peers(), patient=False)[0] != "behind":
+                self.metrics.resyncs.labels(reason=reason).inc()
+                self.round_step = 0
+                self.set_state("training")
+                log.info("resynced round=%d hash=%s reason=%s from the rounds' averages", self.worker.round,
+                         self.status.params_hash, reason)
+                await self.on_commit()
+                return True
             for round, params_hash, donors in candidates:
                 try:
                     chain = await download.fetch_chain(round, params_hash, donors, commits)
@@ -282,10 +304,11 @@ class TrainingLoop:
                     for donor in donors:  # their word to follow it counts for nothing while they hold it
                         self.rounds.conduct.unverified(donor, params_hash)
                     continue
+                snap = None
                 try:
+                    download.hold = self.rounds.faults.hold_download
                     snap = await download.run(round, params_hash, donors,
                                               [list(s) for s in self.worker.state_shapes()])
-                    await self.rounds.faults.hold_download()
                     if hasattr(self.worker, "load_shards"):  # a multi-rank host: every rank its shard
                         ok = await self.worker.load_shards(snap, donors, self.compute)
                     else:
@@ -296,10 +319,13 @@ class TrainingLoop:
                 self.metrics.state_downloads.labels(result="ok" if ok else "failed").inc()
                 if ok:
                     commits.adopt(chain, round, params_hash)
+                    self.server.averages.clear()  # of the lineage we left
                     self.metrics.resyncs.labels(reason=reason).inc()
                     self.metrics.round.set(self.worker.round)
                     self.round_step = 0
                     await self.publish_state()
+                    await self.catch_up(download, snap)
+                    snap = None
                     # Training the next round from here on, and said in the same heartbeat as the
                     # new round: a leader waits for peers training towards its round, not for one
                     # still "joining". Said only later, a peer whose download takes about as long
@@ -310,6 +336,76 @@ class TrainingLoop:
                     await self.on_commit()
                     return True
             await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
+        return False
+
+    async def catch_up(self, download: StateDownload, snap: Snapshot | None = None) -> int:
+        """The rounds the swarm committed after our state (during a download of ``snap``, or
+        while we were left out), taken from their averages (p2p/averagelog.py) instead of
+        downloading the state again; how many.
+
+        Each outer step must land on the ``params_hash`` of its round's certificate. If one does
+        not (donors that agree on wrong bytes), ``snap`` is loaded again (without one, the state
+        is left for the download that follows to replace) and the caller's re-sync goes on as
+        before: a download of the newest state."""
+        if hasattr(self.worker, "load_shards"):
+            return 0  # a multi-rank host's donors keep no averages (its shards' are per rank)
+        from p2p.codecs import get_codec
+
+        codec = get_codec(self.swarm.config.codec)
+        numel = sum(math.prod(s) for s in self.worker.state_shapes())
+        done = 0
+        for _ in range(1 + CATCH_UPS):  # the swarm may commit again while we catch up
+            why, candidates = self.decide(await self.swarm.refresh_peers(), patient=False)
+            if why != "behind" or not candidates or self.stop_requested.is_set():
+                break
+            target, target_hash, donors = candidates[0]
+            # Worth it while the averages are fewer bytes than the state (8 a parameter): up to
+            # 7 rounds with int8, 15 with the 4-bit codecs, 1 with fp32.
+            if (target - self.worker.round) * codec.wire_bytes(numel) >= state_bytes(self.worker.state_shapes()):
+                log.info("catch-up: %d rounds behind; the state is fewer bytes", target - self.worker.round)
+                break
+            try:
+                chain = await download.fetch_chain(target, target_hash, donors, self.rounds.commits)
+            except NoChain as e:
+                log.info("catch-up: %s", e)
+                break
+            certs = {c.round: c for c in chain}
+            while self.worker.round < target and not self.stop_requested.is_set():
+                cert = certs.get(self.worker.round + 1)
+                if cert is None or cert.prev != self.status.params_hash:
+                    return done
+                try:
+                    avg = await download.average(cert.round, cert.prev, cert.new, donors, numel, codec)
+                except (RuntimeError, WireError) as e:
+                    log.info("catch-up: %s", e)
+                    return done
+                if not await self.compute(self._step_verified, avg, codec, snap):
+                    self.swarm.reject("bad_average", f"round {cert.round} from {len(donors)} donors")
+                    self.server.averages.clear()
+                    if snap is not None:
+                        self.rounds.commits.hold(snap.round, snap.params_hash)
+                        await self.publish_state()
+                    return 0
+                self.rounds.commits.adopt(chain, cert.round, cert.new)
+                self.server.averages.add(avg)  # verified: ours to serve as well
+                self.metrics.caught_up_rounds.inc()
+                self.metrics.round.set(self.worker.round)
+                await self.publish_state()
+                done += 1
+        if done:
+            log.info("caught up %d rounds from their averages, now at round=%d hash=%s", done, self.worker.round,
+                     self.status.params_hash)
+        return done
+
+    def _step_verified(self, avg: RoundAverage, codec, snap: Snapshot | None) -> bool:
+        """The outer step of a downloaded average; False (and ``snap`` loaded again) unless it
+        gives the hash its round's certificate names."""
+        self.worker.apply_outer(CommittedAverage(codec, avg.pieces, list(avg.payloads), self.worker.global_params))
+        if self.worker.params_hash() == avg.new:
+            return True
+        log.warning("the average of round %d does not give %s", avg.round, avg.new[:12])
+        if snap is not None:
+            self.worker.load_global_state(snap.unpack())
         return False
 
     async def round_in_flight(self, round: int) -> bool:

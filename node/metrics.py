@@ -43,6 +43,7 @@ REASONS = frozenset({
     "bad_padding",
     # state transfer (p2p/transfer.py)
     "not_in_swarm", "no_state", "moved_on", "bad_range", "bad_op", "refused", "bad_state_meta", "bad_state_chunk",
+    "bad_average", "bad_average_meta", "no_average", "too_many_pieces",
     # the peer table (p2p/swarm.py)
     "bad_peer_table", "bad_peer_id", "bad_heartbeat", "bad_heartbeat_state", "bad_heartbeat_round",
     "bad_heartbeat_hash", "bad_heartbeat_step", "bad_heartbeat_round_tokens", "bad_heartbeat_loss",
@@ -191,6 +192,12 @@ class NodeMetrics:
             "from a trusted state led to it, nothing downloaded).",
             registry=r,
             result=RESULTS,
+        )
+        self.caught_up_rounds = Counter(
+            "gonka_node_caught_up_rounds_total",
+            "Rounds the swarm committed during a state download that this node then took from their "
+            "averages (p2p/averagelog.py) instead of downloading the state again.",
+            registry=r,
         )
         self.state_download_seconds = Histogram(
             "gonka_node_state_download_seconds",

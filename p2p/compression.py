@@ -202,6 +202,12 @@ class CommittedAverage(Sequence[torch.Tensor]):
     def __len__(self) -> int:
         return len(self.views)
 
+    def wire(self) -> tuple[str, list[tuple[int, int]], list]:
+        """(codec name, piece bounds, encoded pieces) as they came over the wire; before any
+        tensor is read (reading drops the pieces it decoded)."""
+        assert self._next == 0 and self._cached is None, "the average's pieces before it is read"
+        return self._codec.name, list(self._pieces), list(self._encoded)
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]

@@ -94,6 +94,11 @@ class SwarmConfig:
     # Size of the pieces a joining peer fetches from donors in parallel
     # (each verified on arrival); smaller spreads a small state over more donors.
     state_chunk_bytes: int = 4 * 1024 * 1024
+    # Committed rounds whose averages this node keeps (as they came over the
+    # wire: the codec's bytes per parameter each, in host RAM) so that a joiner
+    # whose state download outlasts a round catches up from them instead of
+    # downloading the state again; 0 keeps none.
+    catchup_rounds: int = 4
     # Seconds between two announcements of this peer's state in the DHT;
     # a peer silent for 3 intervals is considered gone.
     heartbeat_interval: float = 2.0
@@ -130,6 +135,8 @@ class SwarmConfig:
                 f"must be one of {', '.join(CODEC_NAMES)} (got {self.codec!r})")
         require(MIN_STATE_CHUNK_BYTES <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
                 f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
+        require(0 <= self.catchup_rounds <= 64, "swarm.catchup_rounds",
+                f"must be between 0 and 64 (got {self.catchup_rounds})")
         require(self.aggregator in AGGREGATORS, "swarm.aggregator",
                 f"must be one of {', '.join(AGGREGATORS)} (got {self.aggregator!r})")
         require(1 <= self.max_streams_per_peer <= 1024, "swarm.max_streams_per_peer",

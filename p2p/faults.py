@@ -10,8 +10,10 @@ the committed round + 1) in a group of at least MEMBERS peers. Phases:
 - ``commit``: every vote is in and agrees, before the outer step is applied;
 - ``serve``: a peer asked it for a piece of the state, before it answered.
 
-``GONKA_TEST_HOLD_FIRST_DOWNLOAD=SECONDS`` holds the node's first downloaded state
-that long before loading it, so a test can make the swarm commit meanwhile.
+``GONKA_TEST_HOLD_FIRST_DOWNLOAD=SECONDS`` holds the node's first state download
+that long once its donors described the state, before its first chunk, so a test can
+make the swarm commit during a download (as it does while a big state crosses the
+internet).
 
 ``GONKA_TEST_STEP_SECONDS=SECONDS`` makes every inner step wait that long before it
 runs, as a host whose steps run on an accelerator waits on it with an idle CPU: a
@@ -83,10 +85,11 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
     async def hold_download(self) -> None:
-        """Before loading a downloaded state: wait if a test asked to hold the first one."""
+        """Once the donors described a state, before its first chunk: wait if a test asked to
+        hold the first download (the donors move on meanwhile, as from a joiner far away)."""
         if self.hold_seconds > 0:
             seconds, self.hold_seconds = self.hold_seconds, 0.0
-            log.warning("fault injection: holding the first downloaded state %.1fs", seconds)
+            log.warning("fault injection: holding the first state download %.1fs", seconds)
             await asyncio.sleep(seconds)
 
 

@@ -10,6 +10,11 @@ peer first asks for it, and requests only slice it, so a joiner never stalls
 the donor's own averaging. Built on demand, not at every commit: joins are
 rare, and a snapshot held all the time would be one more copy of θ and the
 momentum (8 bytes per parameter) on every host for nothing.
+
+A download that outlasts the donor's round goes on: the snapshot it began on
+stays pinned (``MAX_PINNED``) while its ranges keep being asked for, and the
+averages of the rounds committed since (p2p/averagelog.py, ``avg_meta`` and
+``avg_range``) let the joiner catch up without downloading the state again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import time
 from typing import Callable
 
+from p2p.averagelog import AverageLog
 from p2p.commits import CommitLog, encode_certs
 from p2p.faults import NO_FAULTS, Faults
 from p2p.limits import BoundedDict, handler_deadline
@@ -31,15 +37,28 @@ from p2p.wire import (MAX_PAYLOAD_BYTES, SMALL_HEADER_BYTES, WireError, close_wr
 log = logging.getLogger(__name__)
 
 
-class StateServer:
-    """Serves the latest snapshot to peers that ask for it."""
+# Older snapshots kept for downloads still under way (one more copy of the state each, held
+# only while its ranges are asked for within ``PIN_IDLE_TIMEOUTS`` request timeouts).
+MAX_PINNED = 1
+PIN_IDLE_TIMEOUTS = 3
 
-    def __init__(self, swarm: Swarm, metrics, commits: CommitLog, *, faults: Faults = NO_FAULTS) -> None:
+
+class StateServer:
+    """Serves the latest snapshot to peers that ask for it, a snapshot a download began on while
+    that download goes on, and the averages of the last rounds (``averages``)."""
+
+    def __init__(self, swarm: Swarm, metrics, commits: CommitLog, *, faults: Faults = NO_FAULTS,
+                 catchup_rounds: int = 0) -> None:
         self.swarm = swarm
         self.faults = faults  # test hooks (p2p/faults.py: ``serve``)
         self.metrics = metrics
         self.commits = commits
         self.snapshot: Snapshot | None = None
+        self.averages = AverageLog(catchup_rounds)
+        # Snapshots of states we left, with downloads of them under way: (round, hash) ->
+        # (snapshot, when a range of it was last asked for).
+        self._pinned: dict[tuple[int, str], tuple[Snapshot, float]] = {}
+        self._served_at = 0.0  # when a range of ``snapshot`` was last asked for
         # The state changed and its snapshot is not built yet: how to build it (off the event
         # loop), and the build under way, if one is.
         self._build: Callable[[], Snapshot] | None = None
@@ -54,12 +73,40 @@ class StateServer:
 
     def publish(self, build: Callable[[], Snapshot]) -> None:
         """The state changed: its snapshot is ``build()``, run when a peer first asks for it. The
-        previous one goes now (a download of it ends with "moved_on")."""
-        self.snapshot, self._build, self._building = None, build, None
+        previous one goes now, unless a download of it is under way: it is pinned then (up to
+        ``MAX_PINNED``), and a download of an older one ends with "moved_on"."""
+        self._pin(self.snapshot, self._served_at)
+        self.snapshot, self._build, self._building, self._served_at = None, build, None, 0.0
+
+    def _pin(self, snap: Snapshot | None, served_at: float) -> None:
+        now = time.monotonic()
+        idle = PIN_IDLE_TIMEOUTS * self.swarm.config.request_timeout
+        for key, (_, at) in list(self._pinned.items()):
+            if now - at > idle:
+                del self._pinned[key]
+        if snap is None or now - served_at > idle or MAX_PINNED == 0:
+            return
+        self._pinned[(snap.round, snap.params_hash)] = (snap, served_at)
+        while len(self._pinned) > MAX_PINNED:
+            del self._pinned[min(self._pinned, key=lambda k: self._pinned[k][1])]
+
+    def _serving(self, header: dict) -> Snapshot | None:
+        """The snapshot a range request names: the current one or a pinned one."""
+        key = (hfield(header, "round", int), hfield(header, "hash", str))
+        snap = self.snapshot
+        if snap is not None and (snap.round, snap.params_hash) == key:
+            self._served_at = time.monotonic()
+            return snap
+        pinned = self._pinned.get(key)
+        if pinned is None or time.monotonic() - pinned[1] > PIN_IDLE_TIMEOUTS * self.swarm.config.request_timeout:
+            return snap  # refused below as moved_on (or served if it is the current one)
+        self._pinned[key] = (pinned[0], time.monotonic())
+        return pinned[0]
 
     def serve(self, snapshot: Snapshot) -> None:
         """Serve ``snapshot`` as it is."""
         self.snapshot, self._build, self._building = snapshot, None, None
+        self._pinned.clear()
 
     async def current(self, wait: float) -> Snapshot | None:
         """The snapshot of the state, built now if it is not yet; None if there is none, or if
@@ -115,8 +162,17 @@ class StateServer:
             await write_frame(writer, {"ok": False, "reason": "not_in_swarm"})
             return
         # A meta request is where a download starts: the snapshot is built for it if need be.
-        snap = await self.current(self.swarm.config.request_timeout / 2) if op == "meta" else self.snapshot
-        if op == "certs":
+        if op == "meta":
+            snap = await self.current(self.swarm.config.request_timeout / 2)
+            self._served_at = time.monotonic()
+        elif op == "range":
+            snap = self._serving(header)
+        else:
+            snap = self.snapshot
+        if op in ("avg_meta", "avg_range"):
+            await serve_average(self.averages, op, header, reader, writer, self.metrics,
+                                self.swarm.config.request_timeout)
+        elif op == "certs":
             after = hfield(header, "after", int)
             certs = self.commits.after(after)
             payload = encode_certs(certs)
@@ -146,6 +202,31 @@ async def serve_meta(snap: Snapshot, reader, writer, timeout: float) -> None:
     if snap.shards:
         meta["shards"] = list(snap.shards)
     await write_frame(writer, meta, b"".join(snap.chunk_digests))
+    await linger(reader, timeout)
+
+
+async def serve_average(log: AverageLog, op: str, header: dict, reader, writer, metrics, timeout: float) -> None:
+    """A round's average (p2p/averagelog.py): its piece table, or pieces [first, first + count)."""
+    avg = log.get(hfield(header, "round", int))
+    if avg is None:
+        await write_frame(writer, {"ok": False, "reason": "no_average"})
+        return
+    if op == "avg_meta":
+        table = await asyncio.to_thread(avg.table)
+        if len(table) > MAX_PAYLOAD_BYTES:
+            await write_frame(writer, {"ok": False, "reason": "too_many_pieces"})
+            return
+        await write_frame(writer, {"ok": True, "round": avg.round, "prev": avg.prev, "new": avg.new,
+                                   "codec": avg.codec, "n": len(avg.pieces)}, table)
+    else:
+        first, count = hfield(header, "first", int), hfield(header, "count", int)
+        if not (0 <= first and 0 < count and first + count <= len(avg.pieces)):
+            raise WireError("bad_range")
+        payloads = avg.payloads[first : first + count]
+        if sum(len(p) for p in payloads) > MAX_PAYLOAD_BYTES:
+            raise WireError("bad_range", "more than one frame")
+        sent = await write_frame(writer, {"ok": True}, b"".join(payloads))
+        metrics.sent_bytes.inc(sent)
     await linger(reader, timeout)
 
 

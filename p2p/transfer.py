@@ -22,6 +22,7 @@ import logging
 import time
 from collections import Counter
 
+from p2p.averagelog import RoundAverage, parse_table
 from p2p.config import MIN_STATE_CHUNK_BYTES
 from p2p.commits import CommitCertificate, CommitLog, decode_certs, verify_chain
 from p2p.snapshot import DIGEST_BYTES, Snapshot, digest_of, state_bytes
@@ -44,6 +45,10 @@ MAX_PULLS = 32
 MAX_SHARDS = 1024  # ranks of one host (host.nproc_per_node's bound)
 
 
+async def _no_hold() -> None:
+    pass
+
+
 class NoChain(RuntimeError):
     """No donor showed a certificate chain to the state; ``liars``: the donors that sent a
     certificate no honest peer holds (a signature that does not verify). A chain that is only
@@ -62,13 +67,14 @@ class StateDownload:
         self.p2p, self.reject, self.timeout = swarm.p2p, swarm.reject, swarm.config.request_timeout
         self.metrics = metrics
         self.name = name
+        self.hold = _no_hold  # test hook (p2p/faults.py): awaited once the donors described the state
 
     @classmethod
     def through(cls, p2p, reject, request_timeout: float, metrics, name: str) -> "StateDownload":
         """A download on a handle other than the swarm's (a multi-rank host's other ranks)."""
         self = cls.__new__(cls)
         self.p2p, self.reject, self.timeout = p2p, reject, request_timeout
-        self.metrics, self.name = metrics, name
+        self.metrics, self.name, self.hold = metrics, name, _no_hold
         return self
 
     async def _request(self, donor: str, header: dict, max_payload: int = 0) -> tuple[dict, bytes]:
@@ -166,6 +172,135 @@ class StateDownload:
                 return
             after = certs[-1].round
 
+    async def _pull(self, donors: list[str], jobs: list[tuple[dict, int]], check, store, bad: str) -> None:
+        """Ask ``donors`` for every job (a request header and the payload's length) in parallel,
+        each payload checked (``check(i, payload)``, else rejected as ``bad``) and stored
+        (``store(i, payload)``); a failing donor's jobs go to the others. RuntimeError if every
+        donor failed before all were done."""
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(len(jobs)):
+            queue.put_nowait(i)
+        remaining = {"jobs": len(jobs), "donors": len(donors)}
+        failed: set[str] = set()
+        done = asyncio.Event()
+        if not jobs:
+            return
+
+        async def pull(donor: str) -> None:
+            while not done.is_set() and donor not in failed:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    await asyncio.sleep(0.05)  # jobs may come back from a failing donor
+                    continue
+                header, length = jobs[i]
+                try:
+                    _, payload = await self._request(donor, header, max_payload=length)
+                    if len(payload) != length or not check(i, payload):
+                        self.reject(bad, f"from {donor[-8:]}")
+                        raise WireError(bad)
+                except Exception as e:
+                    queue.put_nowait(i)
+                    if donor in failed:  # its other pulls stop too; counted once
+                        return
+                    failed.add(donor)
+                    remaining["donors"] -= 1
+                    log.info("donor %s failed (%r); %d donors left", donor[-8:], e, remaining["donors"])
+                    if remaining["donors"] == 0:
+                        done.set()
+                    return
+                store(i, payload)
+                self.metrics.received_bytes.inc(len(payload))
+                remaining["jobs"] -= 1
+                if remaining["jobs"] == 0:
+                    done.set()
+
+        pulls = max(1, min(PULLS_PER_DONOR, MAX_PULLS // len(donors)))
+        # Round-robin: every donor's first pull starts before any donor's second, so a state of
+        # few chunks is still spread over all donors.
+        workers = [asyncio.create_task(pull(d)) for _ in range(pulls) for d in donors]
+        try:
+            await done.wait()
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        if remaining["jobs"]:
+            raise RuntimeError(f"all {len(donors)} donors failed before the download was complete")
+
+    async def average(self, round: int, prev: str, new: str, donors: list[str], numel: int,
+                      codec) -> RoundAverage:
+        """The average of committed round ``round`` (prev -> new) as the donors kept it
+        (p2p/averagelog.py), every piece checked against the piece digests most donors
+        agree on and by ``codec``; RuntimeError if no donor holds it. Whether its outer step
+        gives ``new`` is the caller's to check."""
+        async def meta(donor: str):
+            m, payload = await self._request(donor, {"op": "avg_meta", "round": round},
+                                             max_payload=MAX_PAYLOAD_BYTES)
+            if (m.get("round"), m.get("prev"), m.get("new"), m.get("codec")) != (round, prev, new, codec.name):
+                return None
+            try:
+                table, digests = parse_table(payload, numel, codec)
+            except ValueError as e:
+                raise WireError("bad_average_meta", str(e)) from None
+            return tuple(table), tuple(digests)
+
+        metas = await asyncio.gather(*(meta(d) for d in donors), return_exceptions=True)
+        agreeing = {}
+        for donor, m in zip(donors, metas):
+            if isinstance(m, WireError) and m.reason != "refused":
+                self.reject(m.reason, f"from {donor[-8:]}: {m}")
+            elif isinstance(m, BaseException):
+                log.debug("donor %s: %r", donor[-8:], m)
+            elif m is not None:
+                agreeing[donor] = m
+        if not agreeing:
+            raise RuntimeError(f"no donor holds the average of round {round}")
+        (table, digests), _ = Counter(agreeing.values()).most_common(1)[0]
+        donors = [d for d, v in agreeing.items() if v == (table, digests)]
+        # Runs of consecutive pieces, up to a state chunk's bytes each, one request each.
+        jobs, batches, first, size = [], [], 0, 0
+        limit = MIN_STATE_CHUNK_BYTES * 64  # 4 MiB
+        for k, (_, _, n) in enumerate(table):
+            if k > first and size + n > limit:
+                batches.append((first, k))
+                first, size = k, 0
+            size += n
+        batches.append((first, len(table)))
+        for a, b in batches:
+            jobs.append(({"op": "avg_range", "round": round, "first": a, "count": b - a},
+                         sum(n for _, _, n in table[a:b])))
+        payloads: list[bytes | None] = [None] * len(table)
+
+        def check(i: int, payload: bytes) -> bool:
+            a, b = batches[i]
+            view, at = memoryview(payload), 0
+            for k in range(a, b):
+                start, end, n = table[k]
+                piece = view[at : at + n]
+                at += n
+                if digest_of(piece) != digests[k]:
+                    return False
+                try:
+                    codec.check(piece, end - start)
+                except ValueError:
+                    return False
+            return True
+
+        def store(i: int, payload: bytes) -> None:
+            a, b = batches[i]
+            at = 0
+            for k in range(a, b):
+                n = table[k][2]
+                payloads[k] = payload[at : at + n]
+                at += n
+
+        started = time.monotonic()
+        await self._pull(donors, jobs, check, store, "bad_average")
+        log.info("downloaded round %d average (%.1f MB, %s) from %d donors in %.2fs", round,
+                 sum(n for _, _, n in table) / 1e6, codec.name, len(donors), time.monotonic() - started)
+        return RoundAverage(round, prev, new, codec.name, [(s, e) for s, e, _ in table], payloads)
+
     async def run(self, round: int, params_hash: str, donors: list[str], shapes: list[list[int]]) -> Snapshot:
         """Download and verify the snapshot (round, params_hash) of a model with these parameter
         shapes; raises RuntimeError on failure."""
@@ -187,57 +322,21 @@ class StateDownload:
         (digest, chunk, chunk_digests, shards), _ = Counter(agreeing.values()).most_common(1)[0]
         size = expected_size
         donors = [d for d, v in agreeing.items() if v == (digest, chunk, chunk_digests, shards)]
+        await self.hold()
         blob = bytearray(size)
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        offsets = list(range(0, size, chunk))
-        for offset in offsets:
-            queue.put_nowait(offset)
-        remaining = {"chunks": len(offsets), "donors": len(donors)}
-        failed: set[str] = set()
-        done = asyncio.Event()
+        jobs = []
+        for offset in range(0, size, chunk):
+            length = min(chunk, size - offset)
+            jobs.append(({"op": "range", "round": round, "hash": params_hash, "offset": offset, "length": length},
+                         length))
 
-        async def pull(donor: str) -> None:
-            while not done.is_set() and donor not in failed:
-                try:
-                    offset = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    await asyncio.sleep(0.05)  # chunks may come back from a failing donor
-                    continue
-                length = min(chunk, size - offset)
-                header = {"op": "range", "round": round, "hash": params_hash, "offset": offset, "length": length}
-                try:
-                    _, payload = await self._request(donor, header, max_payload=chunk)
-                    if len(payload) != length or digest_of(payload) != chunk_digests[offset // chunk]:
-                        self.reject("bad_state_chunk", f"from {donor[-8:]}")
-                        raise WireError("bad_state_chunk")
-                except Exception as e:
-                    queue.put_nowait(offset)
-                    if donor in failed:  # its other pulls stop too; counted once
-                        return
-                    failed.add(donor)
-                    remaining["donors"] -= 1
-                    log.info("donor %s failed (%r); %d donors left", donor[-8:], e, remaining["donors"])
-                    if remaining["donors"] == 0:
-                        done.set()
-                    return
-                blob[offset : offset + length] = payload
-                self.metrics.received_bytes.inc(len(payload))
-                remaining["chunks"] -= 1
-                if remaining["chunks"] == 0:
-                    done.set()
+        def check(i: int, payload: bytes) -> bool:
+            return digest_of(payload) == chunk_digests[i]
 
-        pulls = max(1, min(PULLS_PER_DONOR, MAX_PULLS // len(donors)))
-        # Round-robin: every donor's first pull starts before any donor's second, so a state of
-        # few chunks is still spread over all donors.
-        workers = [asyncio.create_task(pull(d)) for _ in range(pulls) for d in donors]
-        try:
-            await done.wait()
-        finally:
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-        if remaining["chunks"]:
-            raise RuntimeError(f"all {len(donors)} donors failed before the state was complete")
+        def store(i: int, payload: bytes) -> None:
+            blob[i * chunk : i * chunk + len(payload)] = payload
+
+        await self._pull(donors, jobs, check, store, "bad_state_chunk")
         blob = await asyncio.to_thread(bytes, blob)  # the whole state: hashed and copied off the loop
         if await asyncio.to_thread(digest_of, blob) != digest:
             raise RuntimeError("downloaded state does not match its digest")

@@ -17,7 +17,11 @@ fetched (fp32 parameters + outer momentum), ``bound_seconds`` = state_bytes
 * 8 / joiner link rate (TCP over the testbed carries ~95.6% of nominal, so a
 perfect download reaches a ratio of ~1.05), ``start_to_synced_s`` the whole
 join from process start to the ``resynced`` line (start-up, DHT bootstrap,
-failed attempts included), ``failed_attempts`` downloads the joiner retried.
+failed attempts included), ``failed_attempts`` downloads the joiner retried,
+``caught_up`` the rounds the swarm committed during the download that the
+joiner then took from their averages (p2p/averagelog.py) and
+``donor_rounds_during`` the donor commits while it downloaded. With
+``--inner-steps`` short enough, every download spans donor rounds.
 
 Donor impact: each donor round (commit to commit) and each donor all-reduce
 is classed ``during`` if its time span overlaps any download, ``before`` if
@@ -41,9 +45,10 @@ from benchmarks.swarmbench_common import (SCRIPTS, commits, downloads, heartbeat
                                           median, node_argv, read_text, state_bytes, stamp_to_unix)
 
 COLUMNS = ["join", "model", "donors", "round", "state_bytes", "seconds", "bound_seconds", "ratio_to_bound",
-           "start_to_synced_s", "failed_attempts"]
+           "start_to_synced_s", "failed_attempts", "caught_up", "donor_rounds_during"]
 PORT = 31337
 RESYNCED = re.compile(r"^(\S+ \S+),(\d+) INFO gonka\.node: resynced round=(\d+)", re.M)
+CAUGHT_UP = re.compile(r"caught up (\d+) rounds from their averages")
 
 
 def add_arguments(group) -> None:
@@ -54,6 +59,7 @@ def add_arguments(group) -> None:
     group.add_argument("--model", choices=["tiny", "small", "base"], help="model preset (default small; tiny with --quick)")
     group.add_argument("--inner-steps", type=int, help="donors' inner steps per round (default 12 for small, 100 for "
                                                        "tiny, 40 with --quick, 10 with --smoke)")
+    group.add_argument("--codec", default="fp32", help="swarm.codec of every node (default fp32)")
     group.add_argument("--joins", type=int, help="joins, each with a fresh joiner (default 3; 2 with --quick, 1 with --smoke)")
     group.add_argument("--warmup-rounds", type=int, help="rounds every donor commits before the first join (default 2; 1 with --quick)")
     group.add_argument("--join-timeout", type=float, default=180.0, help="seconds one joiner may take (default 180)")
@@ -83,7 +89,7 @@ def one_join(tb, j: int, args, workdir: Path, bootstrap: str, rate_bps: int, siz
     log = jdir / "node.log"
     argv = node_argv(ip=tb.host_ip(host), port=PORT + 1 + j, run_id=args.run_id, workdir=jdir, model=args.model,
                      inner_steps=args.inner_steps, min_peers=args.donors, max_rounds=1, bootstrap=bootstrap,
-                     heartbeat=heartbeat_for(args.rtt))
+                     heartbeat=heartbeat_for(args.rtt), extra=["--set", f"swarm.codec={args.codec}"])
     started = time.time()
     with open(log, "wb") as f:
         proc = tb.run(host, argv, stdout=f, stderr=subprocess.STDOUT, cwd=jdir)
@@ -104,6 +110,7 @@ def one_join(tb, j: int, args, workdir: Path, bootstrap: str, rate_bps: int, siz
             "logged_mb": d["mb"], "seconds": d["seconds"], "bound_seconds": bound, "ratio_to_bound": d["seconds"] / bound,
             "start_to_synced_s": stamp_to_unix(*synced[-1][:2]) - started,
             "failed_attempts": text.count("state download failed"),
+            "caught_up": sum(int(n) for n in CAUGHT_UP.findall(text)),
             "window": [d["t"] - d["seconds"], d["t"]]}
 
 
@@ -156,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
                 logs.append(ddir / "node.log")
                 argv = node_argv(ip=tb.host_ip(i), port=PORT, run_id=args.run_id, workdir=ddir, model=args.model,
                                  inner_steps=args.inner_steps, min_peers=args.donors, bootstrap=bootstrap,
-                                 heartbeat=heartbeat_for(args.rtt))
+                                 heartbeat=heartbeat_for(args.rtt), extra=["--set", f"swarm.codec={args.codec}"])
                 with open(logs[i], "wb") as f:
                     procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, cwd=ddir))
                 if i == 0:
@@ -168,6 +175,8 @@ def run(args: argparse.Namespace) -> dict:
             wait_for_commits(logs, procs, args.warmup_rounds, 120 + 60 * args.warmup_rounds)
             for j in range(args.joins):
                 row = one_join(tb, j, args, workdir, bootstrap, joiner_bps, size)
+                w0, w1 = row["window"]
+                row["donor_rounds_during"] = sum(w0 < c["t"] <= w1 for c in commits(read_text(logs[0])))
                 print(f"join: joiner {j}: {row['seconds']:.2f}s (bound {row['bound_seconds']:.2f}s) from "
                       f"{row['donors']} donors", file=sys.stderr, flush=True)
                 rows.append(row)
@@ -188,6 +197,8 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": median(r["seconds"] for r in rows), "bound_seconds": size * 8 / joiner_bps,
         "ratio_to_bound": median(r["ratio_to_bound"] for r in rows),
         "start_to_synced_s": median(r["start_to_synced_s"] for r in rows),
+        "caught_up": median(r["caught_up"] for r in rows),
+        "donor_rounds_during": median(r["donor_rounds_during"] for r in rows),
         "donor_allreduce_before_s": median(impact["allreduce"]["before"]),
         "donor_allreduce_during_s": median(impact["allreduce"]["during"]),
         "donor_round_before_s": median(impact["round"]["before"]),
@@ -202,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
                  f"{fmt(summary['donor_allreduce_during_s'])} (n={summary['samples']['allreduce']['during']}); "
                  f"donor round before {fmt(summary['donor_round_before_s'])}, during {fmt(summary['donor_round_during_s'])}")
     return {"rows": rows, "columns": COLUMNS, "notes": notes, "summary": summary,
-            "config": {"donors": args.donors, "rate": args.rate, "joiner_rate": joiner_rate, "model": args.model,
+            "config": {"donors": args.donors, "codec": args.codec, "rate": args.rate, "joiner_rate": joiner_rate, "model": args.model,
                        "rtt_ms": args.rtt, "loss_percent": args.loss, "tcp_buffers": args.tcp_buffers,
                        "inner_steps": args.inner_steps, "joins": args.joins, "warmup_rounds": args.warmup_rounds},
             "donor_commits": donor_logs, "impact": impact, "load_average": os.getloadavg()}

@@ -146,9 +146,10 @@ async def test_a_description_that_does_not_fit_the_state_is_refused():
         await stop_peers(peers)
 
 
-async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state():
+async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state(monkeypatch):
     # A copy of θ and the momentum held every round would be 8 bytes per parameter on every
     # host for joins that rarely come: none exists until a peer asks for the state.
+    from p2p import stateserver
     from p2p.wire import WireError
     from tests.unit.peers import start_peers, stop_peers
 
@@ -172,13 +173,110 @@ async def test_the_snapshot_is_built_when_a_joiner_first_asks_and_once_per_state
         assert built == [3] and snap.unpack()["params"][0].eq(3.0).all()
         assert await download.run(3, "h3", [donor.peer_id], [[1 << 14]])  # served from the same copy
         assert built == [3]
-        # The state changes: the old copy goes at once; a range of it is answered "moved_on".
+        # The state changes: a download of the old copy under way goes on (it is pinned while
+        # its ranges keep coming), one that went quiet gets "moved_on".
         server.publish(state(4))
         assert server.snapshot is None
-        with pytest.raises(WireError, match="moved_on"):
-            await download._request(donor.peer_id, {"op": "range", "round": 3, "hash": "h3", "offset": 0,
-                                                   "length": 1024}, max_payload=1 << 16)
+        old_range = {"op": "range", "round": 3, "hash": "h3", "offset": 0, "length": 1024}
+        _, payload = await download._request(donor.peer_id, old_range, max_payload=1 << 16)
+        assert payload == bytes(snap.blob[:1024])
         assert (await download.meta(donor.peer_id, 4, "h4", [[1 << 14]])) is not None and built == [3, 4]
+        monkeypatch.setattr(stateserver, "PIN_IDLE_TIMEOUTS", 0)  # every pinned copy idle from now on
+        server.publish(state(5))
+        with pytest.raises(WireError, match="moved_on"):
+            await download._request(donor.peer_id, old_range, max_payload=1 << 16)
+        assert server._pinned == {}
+    finally:
+        await stop_peers(peers)
+
+
+def round_average(numel: int, round: int = 5, seed: int = 0):
+    """A committed round's average as its members hold it: int8 pieces of 2^18 values."""
+    from p2p.averagelog import RoundAverage
+    from p2p.codecs import get_codec
+    from p2p.compression import PIECE_ELEMS, piece_bounds
+
+    codec = get_codec("int8")
+    vector = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    pieces = piece_bounds(0, numel, codec, PIECE_ELEMS)
+    payloads = [codec.encode(vector[s:e].contiguous()) for s, e in pieces]
+    return codec, RoundAverage(round, f"h{round - 1}", f"h{round}", codec.name, pieces, payloads)
+
+
+def test_a_piece_table_must_cover_the_vector_in_order():
+    from p2p.averagelog import parse_table
+
+    numel = 3 * (1 << 18) + 5
+    codec, avg = round_average(numel)
+    table, digests = parse_table(avg.table(), numel, codec)
+    assert [(s, e) for s, e, _ in table] == avg.pieces and len(digests) == 4
+    import msgpack
+
+    rows = msgpack.unpackb(avg.table())
+    lies = [rows[:2] + rows[3:],  # a gap
+            [rows[1], rows[0], *rows[2:]],  # out of order
+            [*rows[:-2], [rows[3][0], rows[3][1], rows[3][2] + 1], rows[-1]],  # not the codec's size
+            [*rows[:-1], rows[-1][:-16]],  # a digest short
+            [*rows[:3], [rows[3][0], rows[3][1] + 1, rows[3][2]], rows[-1]]]  # past the end
+    for lie in lies:
+        with pytest.raises(ValueError):
+            parse_table(msgpack.packb(lie), numel, codec)
+    with pytest.raises(ValueError):
+        parse_table(b"\xc1garbage", numel, codec)
+
+
+def test_the_average_log_keeps_the_last_rounds_of_one_lineage():
+    from p2p.averagelog import AverageLog
+
+    log = AverageLog(2)
+    for r in (1, 2, 3):
+        log.add(round_average(8, r)[1])
+    assert [log.get(r) is not None for r in (1, 2, 3)] == [False, True, True]
+    log.add(round_average(8, 2, seed=1)[1])  # round 2 again, on another lineage: round 3 goes
+    assert log.get(3) is None and log.get(2).payloads == round_average(8, 2, seed=1)[1].payloads
+    none = AverageLog(0)
+    none.add(round_average(8, 1)[1])
+    assert len(none) == 0
+
+
+async def test_a_rounds_average_is_fetched_from_donors_that_agree_and_a_liar_is_dropped():
+    # A joiner whose download outlasted the swarm's rounds takes those rounds' outer steps from
+    # their averages. Donors serve them as their members received them; a donor that serves
+    # other bytes under the same description is refused at its first batch and the honest
+    # donor serves the rest.
+    import dataclasses
+
+    from p2p.commits import CommitLog
+    from p2p.compression import CommittedAverage
+    from p2p.stateserver import StateServer
+    from p2p.transfer import StateDownload
+    from tests.unit.peers import start_peers, stop_peers
+
+    numel = 40 * (1 << 18) + 77  # 41 pieces: more than one batch of 4 MiB
+    codec, avg = round_average(numel)
+    liar_avg = dataclasses.replace(avg, payloads=[bytes(len(p)) for p in avg.payloads], _digests=avg.digests())
+    peers = await start_peers(3)
+    try:
+        (honest, _, h_metrics), (liar, _, l_metrics), (joiner, _, j_metrics) = peers
+        for donor, metrics, a in ((honest, h_metrics, avg), (liar, l_metrics, liar_avg)):
+            server = StateServer(donor, metrics, CommitLog(donor.scope, "g"), catchup_rounds=2)
+            await server.start()
+            server.averages.add(a)
+        async with asyncio.timeout(20):
+            while not all([joiner.peer_id in await d.refresh_peers() for d in (honest, liar)]):
+                await asyncio.sleep(0.05)
+        download = StateDownload(joiner, j_metrics, server.name)
+        got = await download.average(5, "h4", "h5", [honest.peer_id, liar.peer_id], numel, codec)
+        assert [bytes(p) for p in got.payloads] == [bytes(p) for p in avg.payloads]
+        like = [torch.empty(numel - 77), torch.empty(77)]
+        decoded = CommittedAverage(codec, got.pieces, list(got.payloads), like).decoded()
+        expected = CommittedAverage(codec, avg.pieces, list(avg.payloads), like).decoded()
+        assert all(torch.equal(a, b) for a, b in zip(decoded, expected))
+        assert j_metrics.registry.get_sample_value("gonka_node_rejected_messages_total", {"reason": "bad_average"}) >= 1
+        # Another lineage's round, or one nobody kept: nothing to fetch.
+        for round, prev, new in ((5, "x4", "h5"), (6, "h5", "h6")):
+            with pytest.raises(RuntimeError, match="no donor holds"):
+                await download.average(round, prev, new, [honest.peer_id], numel, codec)
     finally:
         await stop_peers(peers)
 
