@@ -10,6 +10,11 @@ the committed round + 1) in a group of at least MEMBERS peers. Phases:
 - ``commit``: every vote is in and agrees, before the outer step is applied;
 - ``serve``: a peer asked it for a piece of the state, before it answered.
 
+With ``/stop`` after it (``reduce@4:4/stop``) the node SIGSTOPs itself there instead:
+it hangs with every connection open, and a testbed that then cuts its link has a
+host gone from the network without closing anything (scripts/benchmarks/killed.py
+``--how drop``): its peers learn of it only from their deadlines.
+
 ``GONKA_TEST_HOLD_FIRST_DOWNLOAD=SECONDS`` holds the node's first state download
 that long once its donors described the state, before its first chunk, so a test can
 make the swarm commit during a download (as it does while a big state crosses the
@@ -55,6 +60,7 @@ class Faults:
     members: int = 0  # ... in a group of at least this many members
     hold_seconds: float = 0.0  # the first downloaded state waits this long (once)
     step_seconds: float = 0.0  # every inner step waits this long first
+    stop: bool = False  # SIGSTOP at the phase instead of SIGKILL
 
     def __post_init__(self) -> None:
         assert self.phase in ("", *PHASES) and self.round >= 0 and self.members >= 0
@@ -79,10 +85,11 @@ class Faults:
     def checkpoint(self, phase: str, round: int, members: int = 0) -> None:
         """Die here if the test asked for a fault at this phase of this round."""
         if self.phase == phase and round >= self.round and members >= self.members:
-            log.warning("fault injection: SIGKILL at %s of round %d", phase, round)
+            sig = signal.SIGSTOP if self.stop else signal.SIGKILL
+            log.warning("fault injection: %s at %s of round %d", sig.name, phase, round)
             for handler in logging.getLogger().handlers:
                 handler.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
 
     async def hold_download(self) -> None:
         """Once the donors described a state, before its first chunk: wait if a test asked to
@@ -109,14 +116,17 @@ def _seconds(text: str, variable: str) -> float:
 def parse(fault: str = "", hold: str = "", step: str = "") -> Faults:
     """``PHASE@ROUND[:MEMBERS]``, ``SECONDS`` and ``SECONDS`` as above ("": none); ValueError
     naming the variable."""
-    phase, round, members = "", 0, 0
+    phase, round, members, stop = "", 0, 0, False
     if fault:
-        phase, _, rest = fault.partition("@")
+        where, _, action = fault.partition("/")
+        phase, _, rest = where.partition("@")
         round_text, _, members_text = rest.partition(":")
-        if phase not in PHASES or not round_text.isdigit() or not (members_text or "0").isdigit():
-            raise ValueError(f"{ENV}: expected PHASE@ROUND[:MEMBERS] with PHASE in {', '.join(PHASES)} (got {fault!r})")
-        round, members = int(round_text), int(members_text or 0)
-    return Faults(phase, round, members, _seconds(hold, HOLD_ENV), _seconds(step, STEP_ENV))
+        if (phase not in PHASES or not round_text.isdigit() or not (members_text or "0").isdigit()
+                or action not in ("", "stop")):
+            raise ValueError(f"{ENV}: expected PHASE@ROUND[:MEMBERS][/stop] with PHASE in {', '.join(PHASES)} "
+                             f"(got {fault!r})")
+        round, members, stop = int(round_text), int(members_text or 0), action == "stop"
+    return Faults(phase, round, members, _seconds(hold, HOLD_ENV), _seconds(step, STEP_ENV), stop)
 
 
 def from_environ(environ: Mapping[str, str]) -> Faults:

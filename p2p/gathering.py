@@ -7,8 +7,8 @@ A peer that waits for a group of round r looks at the swarm every poll
   gather has waited ``gather_timeout``, enough of them to be one with us): re-sync;
 - ``lead``: this peer leads the ready peers (``ready``, with ``owners``): its table is
   fresh (or it waited a whole gather), they are a quorum of the live peers
-  (``quorum.can_start``), and nobody it groups with still trains (or it waited long enough
-  for them);
+  (``quorum.can_start``), and nobody it groups with still trains or catches up from one
+  round behind (or it waited long enough for them);
 - ``leave_out``: the expected leader never started the round although we saw a quorum
   ready for long enough (``leader_wait_limit``, or ``all_in_wait_limit`` once nobody
   trains): the caller leaves it out for a while and counts a ``silent_leader`` strike;
@@ -120,7 +120,12 @@ class Gathering:
         hinted = {p for p in look.hinted if p in peers}
         ready = sorted({p for p, r in peers.items() if r.round == round and r.state == "ready"
                         and (not state or r.params_hash == state)} | hinted | {me})
-        training = [p for p, r in peers.items() if r.round == round and r.state == "training" and p not in hinted]
+        # Still training towards this round, or catching up to it from one round behind (a peer
+        # that was left out of the last round, or a joiner; node/loop.py ``catch_up``): not
+        # waited for, one whose catch-up takes longer than the others' inner steps would be
+        # left out of every round and catch up forever (seen at 250 ms with 1-s inner phases).
+        training = [p for p, r in peers.items() if p not in hinted and (
+            (r.round == round and r.state == "training") or (r.round == round - 1 and r.state == "joining"))]
         leader = leader_of(ready, table, me, look.reachable)
         enough, short = can_start(ready, live, self.min_peers)
         waiting = short or f"{quorum(len(live), self.min_peers)} of {len(live)} live needed"

@@ -42,6 +42,11 @@ CERT_POLL_SECONDS = 0.25
 # receiver's buffers (32 chunks: 128 MiB at the default chunk size).
 PULLS_PER_DONOR = 8
 MAX_PULLS = 32
+# A request for a round's average asks for a run of pieces this big: each request is a new
+# stream whose window ramps from 256 KiB, so at 250 ms 4 MiB runs (7 requests for a 25 MB
+# average) left the link half idle (51 Mbit/s of 100); at 1 MiB the same 32 requests in flight
+# hold 32 MiB, a 1 Gbit/s link's bandwidth-delay product at 250 ms.
+AVERAGE_BATCH_BYTES = 1 << 20
 MAX_SHARDS = 1024  # ranks of one host (host.nproc_per_node's bound)
 
 
@@ -258,9 +263,9 @@ class StateDownload:
             raise RuntimeError(f"no donor holds the average of round {round}")
         (table, digests), _ = Counter(agreeing.values()).most_common(1)[0]
         donors = [d for d, v in agreeing.items() if v == (table, digests)]
-        # Runs of consecutive pieces, up to a state chunk's bytes each, one request each.
+        # Runs of consecutive pieces, up to AVERAGE_BATCH_BYTES each, one request each.
         jobs, batches, first, size = [], [], 0, 0
-        limit = MIN_STATE_CHUNK_BYTES * 64  # 4 MiB
+        limit = AVERAGE_BATCH_BYTES
         for k, (_, _, n) in enumerate(table):
             if k > first and size + n > limit:
                 batches.append((first, k))

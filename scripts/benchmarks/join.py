@@ -45,10 +45,11 @@ from benchmarks.swarmbench_common import (SCRIPTS, commits, downloads, heartbeat
                                           median, node_argv, read_text, state_bytes, stamp_to_unix)
 
 COLUMNS = ["join", "model", "donors", "round", "state_bytes", "seconds", "bound_seconds", "ratio_to_bound",
-           "start_to_synced_s", "failed_attempts", "caught_up", "donor_rounds_during"]
+           "start_to_synced_s", "failed_attempts", "caught_up", "donor_rounds_during", "average_mb", "average_s"]
 PORT = 31337
 RESYNCED = re.compile(r"^(\S+ \S+),(\d+) INFO gonka\.node: resynced round=(\d+)", re.M)
 CAUGHT_UP = re.compile(r"caught up (\d+) rounds from their averages")
+AVERAGE = re.compile(r"downloaded round \d+ average \(([\d.]+) MB, \w+\) from \d+ donors in ([\d.]+)s")
 
 
 def add_arguments(group) -> None:
@@ -111,6 +112,10 @@ def one_join(tb, j: int, args, workdir: Path, bootstrap: str, rate_bps: int, siz
             "start_to_synced_s": stamp_to_unix(*synced[-1][:2]) - started,
             "failed_attempts": text.count("state download failed"),
             "caught_up": sum(int(n) for n in CAUGHT_UP.findall(text)),
+            # each round's average fetched while catching up: size and seconds (medians)
+            "average_mb": median(float(mb) for mb, _ in AVERAGE.findall(text)),
+            "average_s": median(float(s) for _, s in AVERAGE.findall(text)),
+            "failures": re.findall(r"state download failed: (.*)", text)[:5],
             "window": [d["t"] - d["seconds"], d["t"]]}
 
 
@@ -205,6 +210,8 @@ def run(args: argparse.Namespace) -> dict:
         "donor_round_during_s": median(impact["round"]["during"]),
         "samples": {k: {c: len(v) for c, v in d.items()} for k, d in impact.items()},
     }
+    for r in rows:
+        notes += [f"joiner {r['join']}: download failed: {why}" for why in r.pop("failures")]
     notes.append(f"median: {summary['seconds']:.2f}s vs bound {summary['bound_seconds']:.2f}s "
                  f"(ratio {summary['ratio_to_bound']:.2f}); whole join {summary['start_to_synced_s']:.1f}s")
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}s"  # noqa: E731

@@ -15,8 +15,11 @@ without it, the survivors' logs say:
 - ``members``: members of that first commit (the nodes minus one).
 
 The killed process's sockets close with it, so its peers hear of it within
-a round trip; a host that drops off the network without closing anything
-leaves them to their deadlines instead (not measured here).
+a round trip. ``--how drop`` measures a host that drops off the network
+without closing anything instead: the last node SIGSTOPs itself at the phase
+(``/stop``, p2p/faults.py) and the benchmark takes its link down at once
+(``ip link set eth0 down`` in its namespace: its p2pd goes silent too), so its
+peers learn of it only from their deadlines (p2p/deadline.py).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from benchmarks.swarmbench_common import (SCRIPTS, aborted_attempts, commits, he
                                           log_tail, median, node_argv, read_text)
 
 PORT = 31337
-COLUMNS = ["rtt_ms", "nodes", "normal_s", "killed_round_s", "extra_s", "extra_rtts", "aborted", "members"]
+COLUMNS = ["how", "rtt_ms", "nodes", "normal_s", "killed_round_s", "extra_s", "extra_rtts", "aborted", "members"]
 
 
 def add_arguments(group) -> None:
@@ -47,6 +50,11 @@ def add_arguments(group) -> None:
                             "or it never joins a full group before the kill round)")
     group.add_argument("--phase", choices=["grouped", "reduce", "gather", "commit"], default="reduce",
                        help="where the last node dies (p2p/faults.py; default reduce)")
+    group.add_argument("--how", choices=["kill", "drop"], default="kill",
+                       help="kill: SIGKILL (its connections close); drop: it hangs and its link goes down "
+                            "(nothing closes) (default kill)")
+    group.add_argument("--node-set", action="append", default=[], metavar="KEY=VALUE",
+                       help="a setting of every node (gonka-node --set), e.g. swarm.round_timeout=900; repeatable")
     group.add_argument("--kill-round", type=positive_int, default=4, help="the round it dies in (default 4)")
     group.add_argument("--after", type=positive_int, help="rounds the survivors commit without it (default 2; 1 "
                                                           "with --quick)")
@@ -107,10 +115,12 @@ def run(args: argparse.Namespace) -> dict:
                 logs.append(ndir / "node.log")
                 env = dict(os.environ)
                 if i == survivors:
-                    env["GONKA_TEST_FAULT"] = f"{args.phase}@{args.kill_round}:{args.nodes}"
+                    env["GONKA_TEST_FAULT"] = f"{args.phase}@{args.kill_round}:{args.nodes}" + \
+                        ("/stop" if args.how == "drop" else "")
                 argv = node_argv(ip=tb.host_ip(i), port=PORT, run_id=run_id, workdir=ndir, model=args.model,
                                  inner_steps=args.inner_steps, min_peers=survivors, bootstrap=bootstrap,
-                                 heartbeat=heartbeat_for(args.rtt))
+                                 heartbeat=heartbeat_for(args.rtt),
+                                 extra=[a for kv in args.node_set for a in ("--set", kv)])
                 with open(logs[i], "wb") as f:
                     procs.append(tb.run(i, argv, stdout=f, stderr=subprocess.STDOUT, cwd=ndir, env=env))
                 if i == 0:
@@ -118,7 +128,11 @@ def run(args: argparse.Namespace) -> dict:
                     if bootstrap is None:
                         raise RuntimeError(f"node 0 never listened; log tail:\n{log_tail(logs[0])}")
             deadline = time.monotonic() + args.timeout
+            dropped = False
             while True:
+                if args.how == "drop" and not dropped and "fault injection: SIGSTOP at" in read_text(logs[-1]):
+                    netbed.cmd("ip", "-n", tb.namespace(survivors), "link", "set", "eth0", "down")
+                    dropped = True
                 done = []
                 for path in logs[:survivors]:
                     seen = commits(read_text(path))
@@ -133,19 +147,21 @@ def run(args: argparse.Namespace) -> dict:
                     i = done.index(False)
                     raise RuntimeError(f"node {i} did not commit {args.after} round(s) without the killed node in "
                                        f"{args.timeout:.0f}s; log tail:\n{log_tail(logs[i])}")
-                time.sleep(0.5)
-            if procs[survivors].poll() is None:
+                time.sleep(0.1)
+            if args.how == "kill" and procs[survivors].poll() is None:
                 raise RuntimeError("the node meant to die is still running: the fault never fired")
+            if args.how == "drop" and not dropped:
+                raise RuntimeError("the node meant to drop off never stopped: the fault never fired")
             view = survivors_view(logs[:survivors], args.nodes)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     extra = view["killed_round_s"] - view["normal_s"]
-    row = {"rtt_ms": args.rtt, "nodes": args.nodes, **view, "extra_s": extra,
+    row = {"how": args.how, "rtt_ms": args.rtt, "nodes": args.nodes, **view, "extra_s": extra,
            "extra_rtts": extra / (args.rtt / 1000) if args.rtt else None}
-    notes = [f"a member killed at {args.phase} cost the survivors {extra:.2f}s over a {view['normal_s']:.2f}s round "
+    notes = [f"a member {'killed' if args.how == 'kill' else 'dropped off'} at {args.phase} cost the survivors {extra:.2f}s over a {view['normal_s']:.2f}s round "
              f"({view['aborted']} aborted attempt(s)); next commit had {view['members']} members"]
     return {"rows": [row], "columns": COLUMNS, "notes": notes,
             "config": {"nodes": args.nodes, "rate": args.rate, "model": args.model, "inner_steps": args.inner_steps,
-                       "phase": args.phase, "kill_round": args.kill_round, "after": args.after, "rtt_ms": args.rtt,
+                       "phase": args.phase, "how": args.how, "node_set": args.node_set, "kill_round": args.kill_round, "after": args.after, "rtt_ms": args.rtt,
                        "loss_percent": args.loss, "tcp_buffers": args.tcp_buffers},
             "load_average": os.getloadavg()}

@@ -14,9 +14,10 @@ pytestmark = pytest.mark.timeout(30)
 def test_the_variables_are_read_and_bad_values_name_their_variable():
     f = faults.from_environ({faults.ENV: "gather@3:4", faults.HOLD_ENV: "2.5", faults.STEP_ENV: "0.25"})
     assert (f.phase, f.round, f.members, f.hold_seconds, f.step_seconds) == ("gather", 3, 4, 2.5, 0.25)
-    assert f.any and not faults.from_environ({}).any
+    assert f.any and not f.stop and not faults.from_environ({}).any
+    assert faults.from_environ({faults.ENV: "reduce@4:4/stop"}) == faults.Faults("reduce", 4, 4, stop=True)
     for env, bad in [(faults.STEP_ENV, "-1"), (faults.STEP_ENV, "nan"), (faults.STEP_ENV, "fast"),
-                     (faults.HOLD_ENV, "inf"), (faults.ENV, "explode@1")]:
+                     (faults.HOLD_ENV, "inf"), (faults.ENV, "explode@1"), (faults.ENV, "reduce@4/pause")]:
         with pytest.raises(ValueError, match=env):
             faults.from_environ({env: bad})
 

@@ -38,6 +38,12 @@ def test_the_smallest_ready_id_leads_once_a_quorum_is_ready_and_nobody_trains():
     still = g.decide(1.0, look(table(rec(c, "ready"), rec("p" * 20 + "d", "training"))))
     assert still.action == "wait" and still.training == ["p" * 20 + "d"]
     assert g.decide(61.0, look(table(rec(c, "ready"), rec("p" * 20 + "d", "training")))).action == "lead"
+    # A peer catching up from one round behind is waited for like one still training (else one
+    # whose catch-up outlasts the others' inner steps is left out for good); further behind, not.
+    catching_up = table(rec(c, "ready"), rec("p" * 20 + "d", "joining", round=2))
+    assert g.decide(1.0, look(catching_up)).action == "wait"
+    assert g.decide(61.0, look(catching_up)).action == "lead"
+    assert g.decide(1.0, look(table(rec(c, "ready"), rec("p" * 20 + "d", "joining", round=1)))).action == "lead"
     assert g.decide(1.0, look(table(rec(c, "ready")), table_fresh=False)).action == "wait"  # a stale table
     # Another state of the same round is not ready with us; nor is a peer at another round.
     assert g.decide(1.0, look(table(rec(c, "ready", h="other"), rec(a, "ready", round=2)))).ready == [ME]
