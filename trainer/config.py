@@ -152,6 +152,10 @@ class OuterConfig:
     # the network, so only a fixed step makes an overlapped run reproducible step for step
     # (1 is a round without overlap; a step past the round's end means its end).
     land_step: int = 0
+    # Keep θ and the outer momentum (8 bytes a parameter) in memory-mapped files in this
+    # directory on local disk (NVMe) instead of host RAM (trainer/hoststate.py); "" = in RAM.
+    # Scratch files, rewritten at every start: checkpoints stay where they are.
+    state_dir: str = ""
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "outer.lr", f"must be > 0 (got {self.lr})")

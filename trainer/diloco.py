@@ -11,6 +11,7 @@ simulator alike, is ``trainer.round.PeerRounds``.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -99,6 +100,15 @@ class DiLoCoWorker:
         else:
             self.model = wrap_model(self.loaded.module, ranks, self.precision)
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._local()]
+        momentum_storage = None
+        if outer.state_dir:  # θ and the momentum in memory-mapped files (trainer/hoststate.py)
+            from trainer.hoststate import MappedState, mapped_like, views
+
+            self.mapped = MappedState(outer.state_dir if ranks is None else
+                                      os.path.join(outer.state_dir, f"rank{ranks.rank}"))
+            self.global_params = mapped_like(self.mapped, "theta", self.global_params)
+            momentum_storage = views(self.mapped.vector("momentum", sum(g.numel() for g in self.global_params)),
+                                     [g.shape for g in self.global_params])
         if self.device.type == "cuda" and self.precision == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: fp32 range, tensor-core speed
             torch.backends.cudnn.allow_tf32 = True
@@ -117,7 +127,7 @@ class DiLoCoWorker:
             foreach=False if not on_cuda else None,
         )
         self.outer_cfg = outer
-        self.outer_opt = OuterOptimizer(self.global_params, outer)
+        self.outer_opt = OuterOptimizer(self.global_params, outer, momentum_storage)
         # Overlapped rounds: an average committed while the local copy trains moves the
         # local copy at a later step (trainer/landing.py); the lock orders the two threads.
         self._lock = threading.Lock()

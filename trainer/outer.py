@@ -24,10 +24,13 @@ from trainer.config import OuterConfig
 class OuterOptimizer:
     """Outer step on global fp32 tensors, updated in place."""
 
-    def __init__(self, params: list[torch.Tensor], cfg: OuterConfig) -> None:
+    def __init__(self, params: list[torch.Tensor], cfg: OuterConfig, momentum=None) -> None:
+        """``momentum``: where the momentum of each parameter lives once it exists (a list of
+        tensors shaped like ``params``: memory-mapped, trainer/hoststate.py); None: new tensors."""
         self.params = list(params)
         self.cfg = cfg
         self.steps = 0
+        self._storage = momentum
         # None until the first step with momentum: torch sets m = Δ exactly then, which
         # zeros would equal in value but not always in bits (0 + -0.0 = +0.0).
         self._momentum: list[torch.Tensor | None] = [None] * len(self.params)
@@ -55,7 +58,7 @@ class OuterOptimizer:
             step = torch.mul(d, cfg.lr)
         else:
             if m is None:
-                m = d.clone() if in_place else d
+                m = self._new_momentum(i, d) if in_place else d
             else:
                 m = m.mul_(cfg.momentum) if in_place else torch.mul(m, cfg.momentum)
                 m.add_(d)
@@ -87,6 +90,12 @@ class OuterOptimizer:
         self._check_one(i, delta, "outer preview")
         return self._update(i, delta, in_place=False)
 
+    def _new_momentum(self, i: int, value: torch.Tensor) -> torch.Tensor:
+        """Parameter i's momentum, a copy of ``value`` (bit for bit), in its storage if it has one."""
+        if self._storage is None:
+            return value.clone()
+        return self._storage[i].copy_(value)
+
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The momentum m, zeros before the first step (and when momentum is 0)."""
         return [torch.zeros_like(p) if m is None else m for p, m in zip(self.params, self._momentum)]
@@ -103,7 +112,8 @@ class OuterOptimizer:
         self._check(momentum, "outer optimizer state")
         # A fresh state stays buffer-less (see __init__).
         if d["steps"] > 0 and self.cfg.momentum > 0:
-            self._momentum = [m.detach().clone().to(p.device) for p, m in zip(self.params, momentum)]
+            self._momentum = [self._new_momentum(i, m.detach().to(p.device)) for i, (p, m) in
+                              enumerate(zip(self.params, momentum))]
         else:
             self._momentum = [None] * len(self.params)
         self.steps = d["steps"]

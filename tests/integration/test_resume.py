@@ -24,12 +24,15 @@ def test_resume_equals_never_stopping(nodes, tmp_path, overlap):
     straight = nodes("straight", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c0"))
     # Clean stop after round 2, then resume to round 4.
     first = nodes("part1", *base, "--max-rounds", "2", "--checkpoint-dir", str(tmp_path / "c1"))
-    # SIGKILL right after round 2 committed (somewhere in round 3), then resume to round 4.
-    victim = nodes("victim", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
+    # SIGKILL right after round 2 committed (somewhere in round 3), then resume to round 4. Its
+    # θ and momentum live in memory-mapped files (outer.state_dir), torn by the kill: the resumed
+    # node rebuilds them from the checkpoint and ends where the node holding them in RAM does.
+    on_disk = ["--set", f"outer.state_dir={tmp_path / 'outer-state'}"]
+    victim = nodes("victim", *base, *on_disk, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
     victim.wait_round(2, timeout=180)
     victim.proc.send_signal(signal.SIGKILL)
     victim.wait_exit(30)
-    revived = nodes("revived", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
+    revived = nodes("revived", *base, *on_disk, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c2"))
     assert first.wait_exit(180) == 0, first.log()[-3000:]
     second = nodes("part2", *base, "--max-rounds", "4", "--checkpoint-dir", str(tmp_path / "c1"))
     assert straight.wait_exit(180) == 0, straight.log()[-3000:]

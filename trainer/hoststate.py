@@ -1,0 +1,85 @@
+"""θ and the outer momentum in memory-mapped files on local disk (``outer.state_dir``).
+
+A host keeps the swarm's global state in host RAM: θ and the outer momentum, fp32, 8 bytes a
+parameter (560 GB at 70B), beside the error-feedback residual. That state is touched once a
+round, tensor by tensor (the outer step, the reset of the local copy, the pseudo-gradient), so
+it need not stay resident: with ``outer.state_dir`` set each lives in one file there
+(``theta.f32``, ``momentum.f32``), mapped shared into the process (``torch.from_file``). The
+tensors are views of the mapping; the outer step runs on them unchanged (same kernels, same
+bits), and the kernel pages them in as a step reads them and writes them back to the file as it
+sees fit, so the host's anonymous memory no longer grows with the model: what is resident of
+the files is page cache, which the kernel reclaims under pressure.
+
+The files are scratch, not checkpoints: they are created afresh at every start (and filled from
+the model's init, a checkpoint or a download), written in place every round, and a crash leaves
+them torn. Checkpoints stay separate atomic files. A directory is one node's: a lock file keeps a
+second node out.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+
+import torch
+
+FILES = ("theta", "momentum")
+
+
+class StateDirInUse(ValueError):
+    """Another live process holds the directory's lock."""
+
+
+class MappedState:
+    """One node's memory-mapped outer state in ``directory``: ``vector(name, numel)`` gives a
+    file-backed fp32 vector of zeros, its disk blocks reserved."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._lock = open(os.path.join(directory, "lock"), "a+")
+        except OSError as e:
+            raise ValueError(f"outer.state_dir: cannot use {directory}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise StateDirInUse(f"outer.state_dir: {directory} is in use by another node") from None
+        self.vectors: dict[str, torch.Tensor] = {}
+
+    def vector(self, name: str, numel: int) -> torch.Tensor:
+        assert name in FILES and numel >= 0
+        path = os.path.join(self.directory, f"{name}.f32")
+        with open(path, "wb") as f:  # afresh: whatever a former run left there is not this state
+            try:
+                # Every block reserved now: a disk that fills up later would kill the process
+                # (SIGBUS) at the first write to a page it has no block for.
+                os.posix_fallocate(f.fileno(), 0, numel * 4)
+            except OSError as e:
+                raise ValueError(f"outer.state_dir: no room for {numel * 4 / 1e9:.1f} GB of {name} in "
+                                 f"{self.directory}: {e.strerror or e}") from None
+        vector = torch.from_file(path, shared=True, size=numel, dtype=torch.float32) if numel else torch.empty(0)
+        self.vectors[name] = vector
+        return vector
+
+
+def views(vector: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of ``vector`` with these shapes."""
+    out, at = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(vector[at : at + n].view(shape))
+        at += n
+    assert at == vector.numel()
+    return out
+
+
+def mapped_like(state: MappedState, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of a new mapped vector shaped like ``tensors``, holding their values."""
+    shapes = [t.shape for t in tensors]
+    out = views(state.vector(name, sum(t.numel() for t in tensors)), shapes)
+    for o, t in zip(out, tensors):
+        o.copy_(t)
+    return out
