@@ -100,7 +100,7 @@ class DiLoCoWorker:
         else:
             self.model = wrap_model(self.loaded.module, ranks, self.precision)
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._local()]
-        momentum_storage = None
+        momentum_storage, self.mapped = None, None
         if outer.state_dir:  # θ and the momentum in memory-mapped files (trainer/hoststate.py)
             from trainer.hoststate import MappedState, mapped_like, views
 
@@ -322,13 +322,13 @@ class DiLoCoWorker:
     # -- swarm state --------------------------------------------------------
 
     def global_state(self) -> dict:
-        """What a joining peer downloads: round, θ and outer momentum (CPU fp32 copies; under the
-        lock, as ``state_dict``)."""
+        """What a joining peer downloads: round, θ and outer momentum (CPU fp32 copies, in an
+        unlinked mapped file with ``outer.state_dir``; under the lock, as ``state_dict``)."""
         with self._lock:
             return {
                 "round": self.round,
-                "params": [g.clone() for g in self.global_params],
-                "momentum": [m.detach().to("cpu", torch.float32, copy=True) for m in self.outer_opt.momentum_buffers()],
+                "params": self._copy(self.global_params),
+                "momentum": self._copy([m.detach().to("cpu", torch.float32) for m in self.outer_opt.momentum_buffers()]),
             }
 
     def with_global_state(self, fn):
@@ -404,8 +404,8 @@ class DiLoCoWorker:
             "config": self._config_echo(),
             "round": self.round,
             "inner_step": self.inner_step,
-            "global_params": [g.clone() for g in self.global_params],
-            "outer": self.outer_opt.state_dict(),
+            "global_params": self._copy(self.global_params),
+            "outer": self.outer_opt.state_dict(copy=self._copy),
             "local_params": [p.detach().to("cpu", copy=True) for p in self._local()],
             "inner_opt": self.inner_opt.state_dict() if self.ranks is None else local_optimizer_state(
                 self.inner_opt.state_dict()),
@@ -416,6 +416,11 @@ class DiLoCoWorker:
         if self.device.type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
         return state
+
+    def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A checkpoint's copy of θ or the momentum: in RAM, or with ``outer.state_dir`` in an
+        unlinked mapped file there (trainer/hoststate.py), so a checkpoint needs no RAM for it."""
+        return [t.clone() for t in tensors] if self.mapped is None else self.mapped.copy_of(tensors)
 
     @torch.no_grad()
     def load_state_dict(self, d: dict) -> None:

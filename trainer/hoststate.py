@@ -12,8 +12,10 @@ the files is page cache, which the kernel reclaims under pressure.
 
 The files are scratch, not checkpoints: they are created afresh at every start (and filled from
 the model's init, a checkpoint or a download), written in place every round, and a crash leaves
-them torn. Checkpoints stay separate atomic files. A directory is one node's: a lock file keeps a
-second node out.
+them torn. Checkpoints stay separate atomic files; the consistent copy of θ and the momentum a
+checkpoint takes (under the worker's lock, written out after it) goes to an unlinked mapped
+file here too (``copy_of``), not to RAM. A directory is one node's: a lock file keeps a second
+node out.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class MappedState:
             self._lock.close()
             raise StateDirInUse(f"outer.state_dir: {directory} is in use by another node") from None
         self.vectors: dict[str, torch.Tensor] = {}
+        self._copies = 0
 
     def vector(self, name: str, numel: int) -> torch.Tensor:
         assert name in FILES and numel >= 0
@@ -63,6 +66,29 @@ class MappedState:
         vector = torch.from_file(path, shared=True, size=numel, dtype=torch.float32) if numel else torch.empty(0)
         self.vectors[name] = vector
         return vector
+
+
+    def copy_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A copy of ``tensors`` in a mapped file of its own, unlinked at once (the mapping keeps
+        it until the copy is dropped): a checkpoint's consistent copy of θ or the momentum,
+        written out after the lock it was read under is released, without a copy in RAM."""
+        numel = sum(t.numel() for t in tensors)
+        self._copies += 1
+        path = os.path.join(self.directory, f"copy{self._copies}.f32")
+        with open(path, "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, max(4, numel * 4))
+            except OSError as e:
+                raise RuntimeError(f"outer.state_dir: no room for a {numel * 4 / 1e9:.1f} GB copy in "
+                                   f"{self.directory}: {e.strerror or e}") from None
+        try:
+            vector = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+        finally:
+            os.unlink(path)
+        out = views(vector, [t.shape for t in tensors])
+        for o, t in zip(out, tensors):
+            o.copy_(t)
+        return out
 
 
 def views(vector: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:

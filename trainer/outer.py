@@ -100,8 +100,11 @@ class OuterOptimizer:
         """The momentum m, zeros before the first step (and when momentum is 0)."""
         return [torch.zeros_like(p) if m is None else m for p, m in zip(self.params, self._momentum)]
 
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "momentum": [b.detach().clone() for b in self.momentum_buffers()]}
+    def state_dict(self, copy=None) -> dict:
+        """``copy(tensors)``: how the momentum is copied (default: into new tensors in RAM)."""
+        buffers = self.momentum_buffers()
+        return {"steps": self.steps,
+                "momentum": copy(buffers) if copy is not None else [b.detach().clone() for b in buffers]}
 
     def load_state_dict(self, d: dict) -> None:
         if not isinstance(d, dict) or not isinstance(d.get("steps"), int) or d["steps"] < 0:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import default_corpus_paths, load_corpus
 from trainer.diloco import DiLoCoWorker
@@ -43,8 +44,13 @@ def test_a_run_with_its_outer_state_on_disk_is_the_run_in_ram_bit_for_bit(corpus
     for name, tensors in (("theta", disk.global_params), ("momentum", disk.outer_opt.momentum_buffers())):
         stored = np.fromfile(tmp_path / "a" / f"{name}.f32", dtype=np.float32)
         assert np.array_equal(stored, torch.cat([t.reshape(-1) for t in tensors]).numpy())
-    # A checkpoint of it resumes into another directory (or into RAM) as the same state.
-    state = disk.state_dict()
+    # A checkpoint of it resumes into another directory (or into RAM) as the same state. Its copy
+    # of θ and the momentum is in (unlinked) mapped files, not in RAM, and leaves no file behind.
+    save_checkpoint(str(tmp_path / "ckpt"), disk.state_dict())
+    copied = disk.state_dict()
+    assert all(t.untyped_storage().filename for t in [*copied["global_params"], *copied["outer"]["momentum"]])
+    assert sorted(os.listdir(tmp_path / "a")) == ["lock", "momentum.f32", "theta.f32"]
+    state = load_checkpoint(str(tmp_path / "ckpt"))
     for target in (worker(corpus, str(tmp_path / "resumed"), shard_key="a"), worker(corpus, shard_key="a")):
         target.load_state_dict(state)
         assert target.params_hash() == disk.params_hash() and target.round == 3
