@@ -310,7 +310,8 @@ class RankFollower:
 
         def build():  # its hash read with what it holds, under the worker's lock (as rank 0's)
             return w.with_global_state(lambda round, params, momentum: Snapshot.build(
-                round, params_digest(params), params, momentum, chunk))
+                round, params_digest(params), params, momentum, chunk,
+                scratch=w.mapped.scratch if w.mapped is not None else None))
 
         self.server.snapshot = None  # as rank 0 (node/loop.py publish_state): never two copies
         self.server.snapshot = await asyncio.to_thread(build)

@@ -306,6 +306,8 @@ class TrainingLoop:
                 snap = None
                 try:
                     download.hold = self.rounds.faults.hold_download
+                    mapped = getattr(self.worker, "mapped", None)  # outer.state_dir: on disk, not in RAM
+                    download.scratch = mapped.scratch if mapped is not None else None
                     snap = await download.run(round, params_hash, donors,
                                               [list(s) for s in self.worker.state_shapes()])
                     if hasattr(self.worker, "load_shards"):  # a multi-rank host: every rank its shard
@@ -452,17 +454,19 @@ class TrainingLoop:
 
             shards = w.shard_hashes() if hasattr(w, "shard_hashes") else ()  # a multi-rank host's
             chunk = self.swarm.config.state_chunk_bytes
+            mapped = getattr(w, "mapped", None)  # outer.state_dir: the copy on disk, not in RAM
+            scratch = mapped.scratch if mapped is not None else None
 
             def build(round, params, momentum) -> Snapshot:
                 # Built whenever a joiner first asks, so its hash is of what it holds, read under
                 # the worker's lock with it (a commit may have come since this state was published).
                 own = params_digest(params)
                 if not shards:
-                    return Snapshot.build(round, own, params, momentum, chunk)
+                    return Snapshot.build(round, own, params, momentum, chunk, scratch=scratch)
                 from node.ranks import combined_hash
 
                 now = (own, *shards[1:])
-                return Snapshot.build(round, combined_hash(list(now)), params, momentum, chunk, now)
+                return Snapshot.build(round, combined_hash(list(now)), params, momentum, chunk, now, scratch=scratch)
 
             return w.with_global_state(build)
 

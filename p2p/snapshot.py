@@ -24,7 +24,7 @@ class Snapshot:
     round: int
     params_hash: str
     shapes: list[list[int]]
-    blob: bytes | memoryview  # fp32 values, bytes as they go on the wire
+    blob: bytes | bytearray | memoryview  # fp32 values, bytes as they go on the wire
     digest: bytes
     # The blob is served in pieces of chunk_bytes; the digest of every piece lets a
     # receiver check each one as it arrives.
@@ -36,10 +36,13 @@ class Snapshot:
 
     @classmethod
     def build(cls, round: int, params_hash: str, params: list[torch.Tensor], momentum: list[torch.Tensor],
-              chunk_bytes: int, shards: tuple[str, ...] = ()) -> "Snapshot":
+              chunk_bytes: int, shards: tuple[str, ...] = (), scratch=None) -> "Snapshot":
+        """``scratch(numel)``: where the copy goes (a memory-mapped vector with ``outer.state_dir``,
+        trainer/hoststate.py); default a new tensor in RAM."""
         # One copy of the state, in place: the blob is a byte view of it, not another copy.
         tensors = [*params, *momentum]
-        flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
+        numel = sum(t.numel() for t in tensors)
+        flat = scratch(numel) if scratch is not None else torch.empty(numel, dtype=torch.float32)
         offset = 0
         for t in tensors:
             flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
@@ -49,12 +52,15 @@ class Snapshot:
                    chunk_digests_of(blob, chunk_bytes), tuple(shards))
 
     def unpack(self) -> dict:
-        """The blob back as {'round', 'params', 'momentum'} tensors."""
-        flat = torch.frombuffer(bytearray(self.blob), dtype=torch.float32)
+        """The blob back as {'round', 'params', 'momentum'} tensors: views of the blob where it is
+        writable (a download's own buffer: no copy of a state that may be hundreds of GB), else
+        of a copy. Loading them copies them into the worker's own tensors."""
+        view = memoryview(self.blob)
+        flat = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.float32)
         tensors, offset = [], 0
         for shape in self.shapes * 2:
             n = numel_of(shape)
-            tensors.append(flat[offset : offset + n].view(shape).clone())
+            tensors.append(flat[offset : offset + n].view(shape))
             offset += n
         half = len(self.shapes)
         return {"round": self.round, "params": tensors[:half], "momentum": tensors[half:]}

@@ -73,13 +73,16 @@ class StateDownload:
         self.metrics = metrics
         self.name = name
         self.hold = _no_hold  # test hook (p2p/faults.py): awaited once the donors described the state
+        # Where a download goes: scratch(numel) -> an fp32 vector (memory-mapped with
+        # outer.state_dir, trainer/hoststate.py); None: a bytearray in RAM.
+        self.scratch = None
 
     @classmethod
     def through(cls, p2p, reject, request_timeout: float, metrics, name: str) -> "StateDownload":
         """A download on a handle other than the swarm's (a multi-rank host's other ranks)."""
         self = cls.__new__(cls)
         self.p2p, self.reject, self.timeout = p2p, reject, request_timeout
-        self.metrics, self.name, self.hold = metrics, name, _no_hold
+        self.metrics, self.name, self.hold, self.scratch = metrics, name, _no_hold, None
         return self
 
     async def _request(self, donor: str, header: dict, max_payload: int = 0) -> tuple[dict, bytes]:
@@ -328,7 +331,8 @@ class StateDownload:
         size = expected_size
         donors = [d for d, v in agreeing.items() if v == (digest, chunk, chunk_digests, shards)]
         await self.hold()
-        blob = bytearray(size)
+        # Written in place, chunk by chunk, and never copied after: it is the snapshot's blob.
+        blob = bytearray(size) if self.scratch is None else memoryview(self.scratch(size // 4).numpy()).cast("B")
         jobs = []
         for offset in range(0, size, chunk):
             length = min(chunk, size - offset)
@@ -342,8 +346,7 @@ class StateDownload:
             blob[i * chunk : i * chunk + len(payload)] = payload
 
         await self._pull(donors, jobs, check, store, "bad_state_chunk")
-        blob = await asyncio.to_thread(bytes, blob)  # the whole state: hashed and copied off the loop
-        if await asyncio.to_thread(digest_of, blob) != digest:
+        if await asyncio.to_thread(digest_of, blob) != digest:  # the whole state: hashed off the loop
             raise RuntimeError("downloaded state does not match its digest")
         self.metrics.state_download_seconds.observe(time.monotonic() - started)
         log.info("downloaded round %d state (%.1f MB) from %d donors in %.2fs",

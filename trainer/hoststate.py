@@ -72,7 +72,14 @@ class MappedState:
         """A copy of ``tensors`` in a mapped file of its own, unlinked at once (the mapping keeps
         it until the copy is dropped): a checkpoint's consistent copy of θ or the momentum,
         written out after the lock it was read under is released, without a copy in RAM."""
-        numel = sum(t.numel() for t in tensors)
+        out = views(self.scratch(sum(t.numel() for t in tensors)), [t.shape for t in tensors])
+        for o, t in zip(out, tensors):
+            o.copy_(t)
+        return out
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        """An fp32 vector of ``numel`` values in a mapped file of its own, unlinked at once: gone
+        with the last reference to it (a copy for a checkpoint, a joiner's snapshot)."""
         self._copies += 1
         path = os.path.join(self.directory, f"copy{self._copies}.f32")
         with open(path, "wb") as f:
@@ -82,13 +89,9 @@ class MappedState:
                 raise RuntimeError(f"outer.state_dir: no room for a {numel * 4 / 1e9:.1f} GB copy in "
                                    f"{self.directory}: {e.strerror or e}") from None
         try:
-            vector = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+            return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
         finally:
             os.unlink(path)
-        out = views(vector, [t.shape for t in tensors])
-        for o, t in zip(out, tensors):
-            o.copy_(t)
-        return out
 
 
 def views(vector: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@
 fourth joins mid-run through the second node's address."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 
-def test_three_nodes_then_a_joiner(nodes):
+def test_three_nodes_then_a_joiner(nodes, tmp_path):
     # All four train until the test stops them (--max-rounds counts the swarm's rounds,
     # and the joiner's start-up time on a busy machine is unknown).
     common = ["--inner-steps", "8", "--min-peers", "3"]
@@ -34,8 +35,10 @@ def test_three_nodes_then_a_joiner(nodes):
     assert status["peer_id"] and status["round"] >= 3 and status["params_hash"]
     assert status["multiaddrs"] == [addr1]
 
-    # Bootstrapping through the *second* node, not the one that started the swarm.
-    fourth = nodes("n4", "--inner-steps", "8", "--bootstrap", second.address())
+    # Bootstrapping through the *second* node, not the one that started the swarm. The joiner
+    # keeps θ and the momentum in memory-mapped files (outer.state_dir), its download too.
+    fourth = nodes("n4", "--inner-steps", "8", "--bootstrap", second.address(),
+                   "--set", f"outer.state_dir={tmp_path / 'n4-state'}")
     wait_until(lambda: fourth.log().count("members=4") >= 2 or fourth.proc.poll() is not None, 150,
                "the joiner to commit two rounds with the others")
     everyone = [*trio, fourth]
@@ -59,6 +62,8 @@ def test_three_nodes_then_a_joiner(nodes):
     # The joiner downloaded the state first, then committed rounds with all four.
     log4 = fourth.log()
     assert log4.index("reason=join") < log4.index("committed round=")
+    assert re.search(r"downloaded round \d+ state", log4), log4[-2000:]
+    assert sorted(os.listdir(tmp_path / "n4-state")) == ["lock", "momentum.f32", "theta.f32"]
     joined_rounds = [int(r) for r in re.findall(r"committed round=(\d+) .*members=4", log4)]
     assert len(joined_rounds) >= 2, log4[-2000:]
     for n in trio:  # the joiner ends its rounds on the same parameters as the others

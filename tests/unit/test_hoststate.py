@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from p2p.snapshot import Snapshot
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import default_corpus_paths, load_corpus
@@ -60,6 +61,14 @@ def test_a_run_with_its_outer_state_on_disk_is_the_run_in_ram_bit_for_bit(corpus
 
 def test_a_directory_is_one_nodes_and_a_bad_one_is_named(tmp_path):
     first = MappedState(str(tmp_path / "s"))
+    # A joiner's snapshot (served, or downloaded) in an unlinked file there, not in RAM.
+    params, momentum = [torch.randn(3, 5)], [torch.randn(3, 5)]
+    asked = []
+    snap = Snapshot.build(2, "h", params, momentum, 1 << 16, scratch=lambda n: asked.append(n) or first.scratch(n))
+    assert asked == [30] and len(snap.blob) == 120
+    state = snap.unpack()
+    assert torch.equal(state["params"][0], params[0]) and torch.equal(state["momentum"][0], momentum[0])
+    assert os.listdir(tmp_path / "s") == ["lock"]
     with pytest.raises(StateDirInUse, match="outer.state_dir"):
         MappedState(str(tmp_path / "s"))
     vector = first.vector("theta", 1000)
