@@ -266,6 +266,8 @@ class Node:
         commits = CommitLog(self.swarm.scope, genesis)
         rounds = RoundProtocol(self.swarm, self.metrics, commits, weight_cap=weight_cap,
                                faults=self.injection.faults, hostile=self.injection.hostile)
+        if getattr(self.worker, "mapped", None) is not None:  # outer.state_dir: the residual on disk too
+            rounds.plane.scratch = self.worker.mapped.scratch
         if self.ranks is not None:  # the other ranks serve their shards under the run's scope
             from node.ranks import HostShards
 

@@ -169,6 +169,8 @@ class RankFollower:
                                 faults=self.faults, dial=dial, metrics=metrics, reject=reject,
                                 offence=lambda peer, reason: None,
                                 deadlines=deadlines, request_timeout=cfg.request_timeout)
+        if self.worker.mapped is not None:  # outer.state_dir: the residual on disk too
+            self.plane.scratch = self.worker.mapped.scratch
         streams = StreamLimits(cfg.max_streams_per_peer)
 
         async def anyone(_peer: str) -> bool:  # membership is checked per group (ShardPlane.group_for)

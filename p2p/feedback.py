@@ -20,10 +20,13 @@ class ErrorFeedback:
     ``update(sent, decode(encode(sent)))``; or all three at once with ``encode``.
     """
 
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, scratch=None) -> None:
+        """``scratch(numel)``: a new vector of zeros where the residual's copies live (memory-mapped
+        with ``outer.state_dir``, trainer/hoststate.py); None: RAM."""
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
-        self.residual = torch.zeros(numel, dtype=torch.float32)
+        self.scratch = scratch
+        self.residual = scratch(numel) if scratch is not None else torch.zeros(numel, dtype=torch.float32)
         # True while ``residual`` holds a round's compensated contribution (``fold``) rather than
         # a residual: from the fold until that round commits (``settle``).
         self.holding = False
@@ -95,7 +98,10 @@ class ErrorFeedback:
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """None while a round holds the vector (``holding``: a pseudo-gradient is in it, not only
         what a codec dropped): a checkpoint then keeps no residual, and feedback starts over."""
-        return None if self.holding else {"residual": self.residual.clone()}
+        if self.holding:
+            return None
+        return {"residual": self.residual.clone() if self.scratch is None else
+                self.scratch(self.residual.numel()).copy_(self.residual)}
 
     def load_state_dict(self, state: dict) -> None:
         residual = state.get("residual") if isinstance(state, dict) else None
@@ -105,5 +111,6 @@ class ErrorFeedback:
             raise ValueError(f"error feedback residual has {residual.numel()} values, expected {self.residual.numel()}")
         if not torch.isfinite(residual).all():
             raise ValueError("error feedback residual holds non-finite values")
-        self.residual = residual.detach().to(device="cpu", dtype=torch.float32).clone()
+        residual = residual.detach().to(device="cpu", dtype=torch.float32)
+        self.residual = residual.clone() if self.scratch is None else self.scratch(residual.numel()).copy_(residual)
         self.holding = False

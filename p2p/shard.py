@@ -190,6 +190,9 @@ class ShardPlane:
         self.request_timeout = request_timeout
         # What the codec dropped from our contributions, added back next round (lossy codecs only).
         self.feedback: ErrorFeedback | None = None
+        # Where error feedback's residual lives: scratch(numel) -> a vector of zeros (memory-mapped
+        # with outer.state_dir, trainer/hoststate.py); None: RAM. Set before the first round.
+        self.scratch = None
         self._buffers: dict[str, torch.Tensor] = {}
         self._donated = None  # weakref to the last donated vector, its residual added (``round_input``)
         self.group: Group | None = None
@@ -259,7 +262,7 @@ class ShardPlane:
     def ensure_feedback(self, numel: int) -> ErrorFeedback | None:
         """The error-feedback residual for vectors of ``numel`` values (None if not used)."""
         if self.use_feedback and self.feedback is None:
-            self.feedback = ErrorFeedback(numel)
+            self.feedback = ErrorFeedback(numel, self.scratch)
         return self.feedback
 
     def delta_target(self) -> torch.Tensor | None:

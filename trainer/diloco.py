@@ -238,8 +238,8 @@ class DiLoCoWorker:
         self.landing.rebase_if_due()
         start, local = self.landing.start(), self._local()
         numel = sum(g.numel() for g in start)
-        if into is None:
-            flat = torch.empty(numel, dtype=torch.float32)
+        if into is None:  # a new vector each round (the round takes it): on disk with outer.state_dir
+            flat = self.mapped.scratch(numel) if self.mapped is not None else torch.empty(numel, dtype=torch.float32)
         elif into.dtype != torch.float32 or into.dim() != 1 or into.numel() != numel or not into.is_contiguous():
             raise ValueError(f"pseudo-gradient into=: needs a contiguous fp32 vector of {numel} values")
         else:

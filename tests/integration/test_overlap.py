@@ -4,6 +4,7 @@ the survivors consistent. With int8 and error feedback, as a large model runs: e
 round works in place over the residual's vector, and an attempt the killed member spoils
 is put back before the survivors try again (p2p/group.py, Group.restore)."""
 
+import os
 import re
 import signal
 
@@ -16,10 +17,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 INT8 = ["--set", "swarm.codec=int8"]
 
 
-def test_eager_swarm_learns_on_identical_rounds_and_survives_a_member_killed_mid_allreduce(nodes):
+def test_eager_swarm_learns_on_identical_rounds_and_survives_a_member_killed_mid_allreduce(nodes, tmp_path):
     # Four eager peers train together; the fourth dies while it reduces a round of four members
-    # from round 4 on, once every peer has committed rounds with the others.
-    swarm = start_swarm(nodes, 4, env_for={3: {"GONKA_TEST_FAULT": "reduce@4:4"}},
+    # from round 4 on, once every peer has committed rounds with the others. The second keeps θ,
+    # the momentum, error feedback's residual and every round's pseudo-gradient in memory-mapped
+    # files (outer.state_dir): the same bits as the others', round after round.
+    swarm = start_swarm(nodes, 4, env_for={1: {"GONKA_OUTER_STATE_DIR": str(tmp_path / "n1-state")},
+                                           3: {"GONKA_TEST_FAULT": "reduce@4:4"}},
                         extra=["--overlap", "eager", *INT8])
     victim, survivors = swarm[3], swarm[:3]
     assert victim.wait_exit(150) == -signal.SIGKILL, victim.log()[-3000:]
@@ -37,3 +41,4 @@ def test_eager_swarm_learns_on_identical_rounds_and_survives_a_member_killed_mid
         assert all(r >= fault_round for r in resynced), log[-3000:]
         assert n.losses()[-1] < n.losses()[0]
     stop_and_check_consistent(survivors)
+    assert sorted(os.listdir(tmp_path / "n1-state")) == ["lock", "momentum.f32", "theta.f32"]

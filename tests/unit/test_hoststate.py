@@ -77,3 +77,21 @@ def test_a_directory_is_one_nodes_and_a_bad_one_is_named(tmp_path):
     with pytest.raises(ValueError, match="outer.state_dir: cannot use"):
         MappedState(str(tmp_path / "file" / "below"))
     assert dataclasses.replace(OuterConfig(), state_dir="x").state_dir == "x"
+
+
+def test_error_feedback_keeps_its_residual_in_the_mapped_files(tmp_path):
+    from p2p.codecs import get_codec
+    from p2p.feedback import ErrorFeedback
+
+    state = MappedState(str(tmp_path / "s"))
+    codec, x = get_codec("int8"), torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    on_disk, in_ram = ErrorFeedback(4096, state.scratch), ErrorFeedback(4096)
+    assert on_disk.residual.untyped_storage().filename and on_disk.residual.eq(0).all()
+    assert on_disk.encode(codec, x) == in_ram.encode(codec, x)  # the same residual, bit for bit
+    saved = on_disk.state_dict()
+    assert saved["residual"].untyped_storage().filename and torch.equal(saved["residual"], in_ram.residual)
+    restored = ErrorFeedback(4096, state.scratch)
+    restored.load_state_dict(saved)
+    assert restored.residual.untyped_storage().filename and torch.equal(restored.residual, in_ram.residual)
+    assert os.listdir(tmp_path / "s") == ["lock"]
+
