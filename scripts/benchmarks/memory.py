@@ -44,7 +44,7 @@ from pathlib import Path
 from benchmarks.swarmbench_common import (NODE_BIN, listening_address, log_tail, process_tree, rss_bytes, state_numel,
                                           stop_all)
 
-COLUMNS = ["model", "ranks", "params", "train_peak_mb", "round_peak_mb"]
+COLUMNS = ["model", "ranks", "params", "train_peak_mb", "round_peak_mb", "round_anon_peak_mb"]
 TRAINED = re.compile(r"^(\S+ \S+),(\d{3}) INFO gonka\.node: trained round=(\d+) steps=\d+ seconds=([0-9.]+)", re.M)
 MINIMUM_CPU = 30  # bytes per parameter: see the module docstring
 
@@ -60,6 +60,9 @@ def add_arguments(group) -> None:
     group.add_argument("--outer-params",
                        help="outer state alone (what a GPU host keeps in RAM): two sizes, smaller first; '' skips it "
                             "(default 16000000,64000000; 1000000,2000000 with --smoke)")
+    group.add_argument("--outer-on-disk", action="store_true",
+                       help="measure the outer state alone also with outer.state_dir (θ, momentum, residual and "
+                            "each round's Δ in memory-mapped files): its anonymous memory per parameter")
 
 
 def _stamp(date: str, ms: str) -> float:
@@ -133,14 +136,16 @@ OUTER_PEER = Path(__file__).with_name("outer_memory_peer.py")
 GOAL_GPU_HOST = 14  # bytes per parameter: θ 4, momentum 4, residual 4, round buffers at most 2
 
 
-def measure_outer(params: int, args) -> dict:
+def measure_outer(params: int, args, on_disk: bool = False) -> dict:
     """Two hosts' outer state alone (``outer_memory_peer.py``) on loopback: the first one's peak
-    resident memory in rounds 2.., from the pseudo-gradient to the end of the outer step."""
+    resident memory in rounds 2.., from the pseudo-gradient to the end of the outer step (its
+    anonymous part too: with ``on_disk``, ``outer.state_dir``, the rest is the files' pages)."""
     work = Path(tempfile.mkdtemp(prefix="gonka-outer-mem-"))
     tag = str(time.time_ns())
     procs = [subprocess.Popen([sys.executable, str(OUTER_PEER), "--index", str(i), "--workdir", str(work),
                                "--params", str(params), "--codec", args.codec, "--rounds", str(args.rounds),
-                               "--run-tag", tag], stdout=open(work / f"log{i}", "wb"), stderr=subprocess.STDOUT)
+                               "--run-tag", tag, *(["--state-dir", str(work / "state")] if on_disk else [])],
+                              stdout=open(work / f"log{i}", "wb"), stderr=subprocess.STDOUT)
              for i in range(2)]
     try:
         for i, p in enumerate(procs):
@@ -150,8 +155,9 @@ def measure_outer(params: int, args) -> dict:
     finally:
         stop_all(procs)
         shutil.rmtree(work, ignore_errors=True)
-    return {"model": f"outer state, {params} values", "ranks": 1, "params": params,
-            "train_peak_mb": float("nan"), "round_peak_mb": max(result["peaks"][1:]) / 2**20}
+    return {"model": f"outer state{' on disk' if on_disk else ''}, {params} values", "ranks": 1, "params": params,
+            "train_peak_mb": float("nan"), "round_peak_mb": max(result["peaks"][1:]) / 2**20,
+            "round_anon_peak_mb": max(result["anon_peaks"][1:]) / 2**20}
 
 
 def both(measure_one, first, second, side_by_side: bool) -> tuple[dict, dict]:
@@ -173,16 +179,20 @@ def run(args) -> dict:
     args.batch_size, args.seq_len = (1, 16) if smoke else (4, 64)
     if args.outer_params is None:
         args.outer_params = "1000000,2000000" if smoke else "16000000,64000000"
+    args.outer_on_disk = args.outer_on_disk or smoke  # every code path in the smoke
     if args.rounds < 2:
         raise ValueError("--rounds must be >= 2 (the first is a warm-up)")
     small, big = args.models.split(",")
     rows, summary = [], []
     if args.outer_params:
         first, second = (int(n) for n in args.outer_params.split(","))
-        a, b = both(lambda n: measure_outer(n, args), first, second, smoke)
-        rows += [a, b]
-        outer = (b["round_peak_mb"] - a["round_peak_mb"]) * 2**20 / (second - first)
-        summary.append({"ranks": "outer state", "round_bytes_per_param": outer, "goal": GOAL_GPU_HOST})
+        for on_disk in (False, True) if args.outer_on_disk else (False,):
+            a, b = both(lambda n: measure_outer(n, args, on_disk), first, second, smoke)
+            rows += [a, b]
+            slope = {k: (b[k] - a[k]) * 2**20 / (second - first) for k in ("round_peak_mb", "round_anon_peak_mb")}
+            summary.append({"ranks": "outer state on disk" if on_disk else "outer state",
+                            "round_bytes_per_param": slope["round_peak_mb"],
+                            "round_anon_bytes_per_param": slope["round_anon_peak_mb"], "goal": GOAL_GPU_HOST})
     for ranks in [int(r) for r in args.ranks.split(",") if r]:  # "" measures the outer state only
         a, b = both(lambda m: measure(m, ranks, args), small, big, smoke)
         rows += [a, b]
@@ -194,6 +204,6 @@ def run(args) -> dict:
     notes = [f"{s['ranks']} rank(s) per host: {s['train_bytes_per_param']:.1f} host bytes per parameter while "
              f"training, {s['round_bytes_per_param']:.1f} during a round (the design's minimum on a CPU host: "
              f"{s['minimum']})" if "minimum" in s else
-             f"outer state alone (a GPU host's RAM): {s['round_bytes_per_param']:.1f} host bytes per parameter during "
-             f"a round (goal: {s['goal']})" for s in summary]
+             f"{s['ranks']} alone (a GPU host's RAM): {s['round_bytes_per_param']:.1f} host bytes per parameter during "
+             f"a round, {s['round_anon_bytes_per_param']:.1f} of them anonymous (goal: {s['goal']})" for s in summary]
     return {"rows": rows, "columns": COLUMNS, "summary": summary, "notes": notes}

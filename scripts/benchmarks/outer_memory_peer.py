@@ -9,9 +9,11 @@ tensor at a time, added into error feedback's vector where the round protocol of
 (``delta_target``), else into a vector of its own, which the round takes (``donate=True``). No
 model and no inner optimizer: what is measured is what the outer loop holds.
 
-A thread samples this process's ``VmRSS`` every 10 ms; the peak of each round (from the
-pseudo-gradient to the end of the outer step) goes to ``--workdir``/peer{index}.json with the
-resident memory once θ and the momentum exist (``base``).
+A thread samples this process's ``VmRSS`` and ``RssAnon`` every 10 ms; the peaks of each round
+(from the pseudo-gradient to the end of the outer step) go to ``--workdir``/peer{index}.json with
+the resident memory once θ and the momentum exist (``base``). With ``--state-dir`` θ, the
+momentum, the residual and every round's Δ live in memory-mapped files (``outer.state_dir``,
+trainer/hoststate.py): ``VmRSS`` then counts the files' resident pages, ``RssAnon`` not.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allreduce_peer import abarrier, joined_rounds, peer0_addresses, tune_allocator, write_json  # noqa: E402
 
 
-def rss() -> int:
+def rss(field: str = "VmRSS") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -40,7 +42,7 @@ class Sampler:
     """This process's peak RSS since the last ``reset``, sampled every 10 ms in a thread."""
 
     def __init__(self) -> None:
-        self.peak = 0
+        self.peak = self.anon_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -48,11 +50,14 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, rss())
+            self.anon_peak = max(self.anon_peak, rss("RssAnon"))
             time.sleep(0.01)
 
-    def reset(self) -> int:
-        peak, self.peak = self.peak, rss()
-        return peak
+    def reset(self) -> tuple[int, int]:
+        """(peak VmRSS, peak RssAnon) since the last reset."""
+        peaks = (self.peak, self.anon_peak)
+        self.peak, self.anon_peak = rss(), rss("RssAnon")
+        return peaks
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,8 +85,19 @@ async def run(args, deadline: float) -> dict:
         rounds = await joined_rounds(swarm, metrics, workdir, args.index, args.peers, deadline)
         sizes = [args.params // args.tensors + (1 if i < args.params % args.tensors else 0) for i in range(args.tensors)]
         gen = torch.Generator().manual_seed(args.index)
-        theta = [torch.randn(n, generator=gen) for n in sizes]
-        outer = OuterOptimizer(theta, OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+        scratch, momentum = None, None
+        if args.state_dir:  # outer.state_dir: θ, m, the residual and Δ in memory-mapped files
+            from trainer.hoststate import MappedState, views as mapped_views
+
+            state = MappedState(str(Path(args.state_dir) / f"peer{args.index}"))
+            theta = mapped_views(state.vector("theta", args.params), [(n,) for n in sizes])
+            for t in theta:
+                t.normal_(generator=gen)
+            momentum = mapped_views(state.vector("momentum", args.params), [(n,) for n in sizes])
+            scratch = rounds.plane.scratch = state.scratch
+        else:
+            theta = [torch.randn(n, generator=gen) for n in sizes]
+        outer = OuterOptimizer(theta, OuterConfig(lr=0.7, momentum=0.9, nesterov=True), momentum)
         base = rss()
         sampler.reset()
         peaks = []
@@ -90,7 +106,8 @@ async def run(args, deadline: float) -> dict:
             target = getattr(rounds, "delta_target", lambda: None)()
 
             def pseudo_gradient():
-                flat = torch.empty(args.params) if target is None else target
+                flat = target if target is not None else (
+                    scratch(args.params) if scratch is not None else torch.empty(args.params))
                 views, at = [], 0
                 for n in sizes:  # one tensor at a time, as from a model on a GPU
                     step = torch.randn(n, generator=gen).mul_(1e-3)
@@ -109,7 +126,7 @@ async def run(args, deadline: float) -> dict:
             swarm.announce(state="training", round=r + 1, hash="")
             peaks.append(sampler.reset())
         await abarrier(workdir, "done", args.index, args.peers, deadline)
-        return {"base": base, "peaks": peaks}
+        return {"base": base, "peaks": [p for p, _ in peaks], "anon_peaks": [a for _, a in peaks]}
     finally:
         sampler.stop()
         await swarm.close()
@@ -125,6 +142,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--codec", default="int8")
     p.add_argument("--run-tag", default="0")
+    p.add_argument("--state-dir", default="", help="θ, momentum, residual and Δ in memory-mapped files under DIR")
     p.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.timeout, exit=True)
