@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 
+from node.catchup import catch_up
 from node.status import Status
 from p2p.aggregate import counted_tokens
 from p2p.averagelog import RoundAverage
@@ -22,10 +22,9 @@ from p2p.compression import CommittedAverage
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
 from p2p.swarm import Swarm
-from p2p.snapshot import Snapshot, state_bytes
+from p2p.snapshot import Snapshot
 from p2p.stateserver import StateServer
 from p2p.transfer import NoChain, StateDownload
-from p2p.wire import WireError
 from trainer.diloco import DiLoCoWorker
 from trainer.round import ABORTED, BEHIND, COMMITTED, RETRY_SECONDS, PeerRounds
 
@@ -284,7 +283,7 @@ class TrainingLoop:
             self.set_state("joining")
             download = StateDownload(self.swarm, self.metrics, self.server.name)
             # Left out of a few rounds (stopped, slow, cut off): their averages are enough.
-            if why == "behind" and await self.catch_up(download, *candidates[0]):
+            if why == "behind" and await catch_up(self, download, *candidates[0]):
                 self.metrics.resyncs.labels(reason=reason).inc()
                 self.round_step = 0
                 self.set_state("training")
@@ -327,7 +326,7 @@ class TrainingLoop:
                     await self.publish_state()
                     why, ahead = self.decide(await self.swarm.refresh_peers(), patient=False)
                     if why == "behind":  # the swarm committed while we downloaded
-                        await self.catch_up(download, *ahead[0], snap=snap)
+                        await catch_up(self, download, *ahead[0], snap=snap)
                     snap = None
                     # Training the next round from here on, and said in the same heartbeat as the
                     # new round: a leader waits for peers training towards its round, not for one
@@ -339,72 +338,6 @@ class TrainingLoop:
                     await self.on_commit()
                     return True
             await asyncio.sleep(RETRY_SECONDS * (attempt + 1))
-        return False
-
-    async def catch_up(self, download: StateDownload, target: int, target_hash: str, donors: list[str], *,
-                       snap: Snapshot | None = None) -> int:
-        """The rounds the swarm committed after our state, up to ``target`` (during a download of
-        ``snap``, or while we were left out), taken from their averages (p2p/averagelog.py)
-        instead of downloading the state again; how many: none if the averages would be as
-        many bytes as the state, or a multi-rank host (its donors keep none).
-
-        Each outer step must land on the ``params_hash`` of its round's certificate. If one does
-        not (donors that agree on wrong bytes), ``snap`` is loaded again (without one, the state
-        is left for the download that follows to replace) and the caller's re-sync goes on as
-        before: a download of the newest state."""
-        if hasattr(self.worker, "load_shards") or target <= self.worker.round:
-            return 0
-        from p2p.codecs import get_codec
-
-        codec = get_codec(self.swarm.config.codec)
-        numel = sum(math.prod(s) for s in self.worker.state_shapes())
-        # Worth it while the averages are fewer bytes than the state (8 a parameter): up to 7
-        # rounds with int8, 15 with the 4-bit codecs, 1 with fp32.
-        if (target - self.worker.round) * codec.wire_bytes(numel) >= state_bytes(self.worker.state_shapes()):
-            log.info("catch-up: %d rounds behind; the state is fewer bytes", target - self.worker.round)
-            return 0
-        try:
-            chain = await download.fetch_chain(target, target_hash, donors, self.rounds.commits)
-        except NoChain as e:
-            log.info("catch-up: %s", e)
-            return 0
-        certs, done = {c.round: c for c in chain}, 0
-        while self.worker.round < target and not self.stop_requested.is_set():
-            cert = certs.get(self.worker.round + 1)
-            if cert is None or cert.prev != self.status.params_hash:
-                break
-            try:
-                avg = await download.average(cert.round, cert.prev, cert.new, donors, numel, codec)
-            except (RuntimeError, WireError) as e:
-                log.info("catch-up: %s", e)
-                break
-            if not await self.compute(self._step_verified, avg, codec, snap):
-                self.swarm.reject("bad_average", f"round {cert.round} from {len(donors)} donors")
-                self.server.averages.clear()
-                if snap is not None:
-                    self.rounds.commits.hold(snap.round, snap.params_hash)
-                    await self.publish_state()
-                return 0
-            self.rounds.commits.adopt(chain, cert.round, cert.new)
-            self.server.averages.add(avg)  # verified: ours to serve as well
-            self.metrics.caught_up_rounds.inc()
-            self.metrics.round.set(self.worker.round)
-            await self.publish_state()
-            done += 1
-        if done:
-            log.info("caught up %d rounds from their averages, now at round=%d hash=%s", done, self.worker.round,
-                     self.status.params_hash)
-        return done
-
-    def _step_verified(self, avg: RoundAverage, codec, snap: Snapshot | None) -> bool:
-        """The outer step of a downloaded average; False (and ``snap`` loaded again) unless it
-        gives the hash its round's certificate names."""
-        self.worker.apply_outer(CommittedAverage(codec, avg.pieces, list(avg.payloads), self.worker.global_params))
-        if self.worker.params_hash() == avg.new:
-            return True
-        log.warning("the average of round %d does not give %s", avg.round, avg.new[:12])
-        if snap is not None:
-            self.worker.load_global_state(snap.unpack())
         return False
 
     async def round_in_flight(self, round: int) -> bool:

@@ -10,7 +10,7 @@ every 20-30 minutes. Downloading the newest state again after each commit never 
   came over the wire (``AverageLog``: each piece as its owner encoded it, so a round costs the
   codec's bytes, not fp32: 1 byte a parameter with int8, ~0.53 with the 4-bit codecs);
 - the joiner, its download done, fetches the averages of the rounds it missed and takes their
-  outer steps itself (node/loop.py ``catch_up``), each checked against the ``params_hash`` that
+  outer steps itself (node/catchup.py), each checked against the ``params_hash`` that
   round's commit certificate names: a single wrong byte gives another hash, and nothing
   unverified is kept.
 

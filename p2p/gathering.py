@@ -121,7 +121,7 @@ class Gathering:
         ready = sorted({p for p, r in peers.items() if r.round == round and r.state == "ready"
                         and (not state or r.params_hash == state)} | hinted | {me})
         # Still training towards this round, or catching up to it from one round behind (a peer
-        # that was left out of the last round, or a joiner; node/loop.py ``catch_up``): not
+        # that was left out of the last round, or a joiner; node/catchup.py): not
         # waited for, one whose catch-up takes longer than the others' inner steps would be
         # left out of every round and catch up forever (seen at 250 ms with 1-s inner phases).
         training = [p for p, r in peers.items() if p not in hinted and (

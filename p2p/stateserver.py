@@ -78,13 +78,15 @@ class StateServer:
         self._pin(self.snapshot, self._served_at)
         self.snapshot, self._build, self._building, self._served_at = None, build, None, 0.0
 
+    def _idle(self, since: float) -> bool:
+        """Nothing asked for a snapshot since ``since`` for too long to keep it."""
+        return time.monotonic() - since > PIN_IDLE_TIMEOUTS * self.swarm.config.request_timeout
+
     def _pin(self, snap: Snapshot | None, served_at: float) -> None:
-        now = time.monotonic()
-        idle = PIN_IDLE_TIMEOUTS * self.swarm.config.request_timeout
         for key, (_, at) in list(self._pinned.items()):
-            if now - at > idle:
+            if self._idle(at):
                 del self._pinned[key]
-        if snap is None or now - served_at > idle or MAX_PINNED == 0:
+        if snap is None or self._idle(served_at) or MAX_PINNED == 0:
             return
         self._pinned[(snap.round, snap.params_hash)] = (snap, served_at)
         while len(self._pinned) > MAX_PINNED:
@@ -98,7 +100,7 @@ class StateServer:
             self._served_at = time.monotonic()
             return snap
         pinned = self._pinned.get(key)
-        if pinned is None or time.monotonic() - pinned[1] > PIN_IDLE_TIMEOUTS * self.swarm.config.request_timeout:
+        if pinned is None or self._idle(pinned[1]):
             return snap  # refused below as moved_on (or served if it is the current one)
         self._pinned[key] = (pinned[0], time.monotonic())
         return pinned[0]

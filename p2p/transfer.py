@@ -180,19 +180,38 @@ class StateDownload:
                 return
             after = certs[-1].round
 
+    async def _agreeing(self, donors: list[str], describe) -> tuple[object, list[str]]:
+        """Every donor's description (``describe(donor)``: None if it holds something else), and
+        the one most of them give with the donors that give it; (None, []) if none does. What a
+        donor sends malformed is counted as every handler counts it."""
+        answers = await asyncio.gather(*(describe(d) for d in donors), return_exceptions=True)
+        agreeing = {}
+        for donor, answer in zip(donors, answers):
+            if isinstance(answer, WireError) and answer.reason != "refused":
+                self.reject(answer.reason, f"from {donor[-8:]}: {answer}")
+            elif isinstance(answer, BaseException):
+                log.info("donor %s: %r", donor[-8:], answer)
+            elif answer is not None:
+                agreeing[donor] = answer
+        if not agreeing:
+            return None, []
+        # Donors holding the same state serve identical bytes: trust the common description.
+        common, _ = Counter(agreeing.values()).most_common(1)[0]
+        return common, [d for d, v in agreeing.items() if v == common]
+
     async def _pull(self, donors: list[str], jobs: list[tuple[dict, int]], check, store, bad: str) -> None:
         """Ask ``donors`` for every job (a request header and the payload's length) in parallel,
         each payload checked (``check(i, payload)``, else rejected as ``bad``) and stored
         (``store(i, payload)``); a failing donor's jobs go to the others. RuntimeError if every
         donor failed before all were done."""
+        if not jobs:
+            return
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(len(jobs)):
             queue.put_nowait(i)
         remaining = {"jobs": len(jobs), "donors": len(donors)}
         failed: set[str] = set()
         done = asyncio.Event()
-        if not jobs:
-            return
 
         async def pull(donor: str) -> None:
             while not done.is_set() and donor not in failed:
@@ -204,7 +223,8 @@ class StateDownload:
                 header, length = jobs[i]
                 try:
                     _, payload = await self._request(donor, header, max_payload=length)
-                    if len(payload) != length or not check(i, payload):
+                    # Hashing (and a codec's check) off the event loop: a 4 MiB chunk is milliseconds.
+                    if len(payload) != length or not await asyncio.to_thread(check, i, payload):
                         self.reject(bad, f"from {donor[-8:]}")
                         raise WireError(bad)
                 except Exception as e:
@@ -253,19 +273,10 @@ class StateDownload:
                 raise WireError("bad_average_meta", str(e)) from None
             return tuple(table), tuple(digests)
 
-        metas = await asyncio.gather(*(meta(d) for d in donors), return_exceptions=True)
-        agreeing = {}
-        for donor, m in zip(donors, metas):
-            if isinstance(m, WireError) and m.reason != "refused":
-                self.reject(m.reason, f"from {donor[-8:]}: {m}")
-            elif isinstance(m, BaseException):
-                log.debug("donor %s: %r", donor[-8:], m)
-            elif m is not None:
-                agreeing[donor] = m
-        if not agreeing:
+        common, donors = await self._agreeing(donors, meta)
+        if common is None:
             raise RuntimeError(f"no donor holds the average of round {round}")
-        (table, digests), _ = Counter(agreeing.values()).most_common(1)[0]
-        donors = [d for d, v in agreeing.items() if v == (table, digests)]
+        table, digests = common
         # Runs of consecutive pieces, up to AVERAGE_BATCH_BYTES each, one request each.
         jobs, batches, first, size = [], [], 0, 0
         limit = AVERAGE_BATCH_BYTES
@@ -314,22 +325,11 @@ class StateDownload:
         shapes; raises RuntimeError on failure."""
         expected_size = state_bytes(shapes)
         started = time.monotonic()
-        metas = await asyncio.gather(*(self.meta(d, round, params_hash, shapes) for d in donors),
-                                     return_exceptions=True)
-        agreeing = {}
-        for donor, meta in zip(donors, metas):
-            if isinstance(meta, WireError) and meta.reason != "refused":  # as every handler counts them
-                self.reject(meta.reason, f"from {donor[-8:]}: {meta}")
-            elif isinstance(meta, BaseException):
-                log.info("donor %s: %r", donor[-8:], meta)
-            elif meta is not None:
-                agreeing[donor] = meta
-        if not agreeing:
+        common, donors = await self._agreeing(donors, lambda d: self.meta(d, round, params_hash, shapes))
+        if common is None:
             raise RuntimeError(f"no donor serves round {round} with params_hash {params_hash[:12]}")
-        # Donors holding the same (round, params_hash) serve identical bytes; trust the common description.
-        (digest, chunk, chunk_digests, shards), _ = Counter(agreeing.values()).most_common(1)[0]
+        digest, chunk, chunk_digests, shards = common
         size = expected_size
-        donors = [d for d, v in agreeing.items() if v == (digest, chunk, chunk_digests, shards)]
         await self.hold()
         # Written in place, chunk by chunk, and never copied after: it is the snapshot's blob.
         blob = bytearray(size) if self.scratch is None else memoryview(self.scratch(size // 4).numpy()).cast("B")

@@ -49,24 +49,24 @@ class MappedState:
         except BlockingIOError:
             self._lock.close()
             raise StateDirInUse(f"outer.state_dir: {directory} is in use by another node") from None
-        self.vectors: dict[str, torch.Tensor] = {}
         self._copies = 0
 
     def vector(self, name: str, numel: int) -> torch.Tensor:
         assert name in FILES and numel >= 0
-        path = os.path.join(self.directory, f"{name}.f32")
-        with open(path, "wb") as f:  # afresh: whatever a former run left there is not this state
-            try:
-                # Every block reserved now: a disk that fills up later would kill the process
-                # (SIGBUS) at the first write to a page it has no block for.
-                os.posix_fallocate(f.fileno(), 0, numel * 4)
-            except OSError as e:
-                raise ValueError(f"outer.state_dir: no room for {numel * 4 / 1e9:.1f} GB of {name} in "
-                                 f"{self.directory}: {e.strerror or e}") from None
-        vector = torch.from_file(path, shared=True, size=numel, dtype=torch.float32) if numel else torch.empty(0)
-        self.vectors[name] = vector
-        return vector
+        # Afresh: whatever a former run left there is not this state.
+        return self._map(os.path.join(self.directory, f"{name}.f32"), numel, name, ValueError)
 
+    def _map(self, path: str, numel: int, what: str, error: type[Exception]) -> torch.Tensor:
+        """A shared mapping of a new file at ``path`` of ``numel`` fp32 zeros. Every block is
+        reserved now: a disk that filled up later would kill the process (SIGBUS) at the first
+        write to a page it has no block for; ``error`` names the setting instead."""
+        with open(path, "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, max(4, numel * 4))
+            except OSError as e:
+                raise error(f"outer.state_dir: no room for {numel * 4 / 1e9:.1f} GB of {what} in "
+                            f"{self.directory}: {e.strerror or e}") from None
+        return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
 
     def copy_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of ``tensors`` in a mapped file of its own, unlinked at once (the mapping keeps
@@ -82,14 +82,8 @@ class MappedState:
         with the last reference to it (a copy for a checkpoint, a joiner's snapshot)."""
         self._copies += 1
         path = os.path.join(self.directory, f"copy{self._copies}.f32")
-        with open(path, "wb") as f:
-            try:
-                os.posix_fallocate(f.fileno(), 0, max(4, numel * 4))
-            except OSError as e:
-                raise RuntimeError(f"outer.state_dir: no room for a {numel * 4 / 1e9:.1f} GB copy in "
-                                   f"{self.directory}: {e.strerror or e}") from None
         try:
-            return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+            return self._map(path, numel, "a copy", RuntimeError)
         finally:
             os.unlink(path)
 

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     args.joins = args.joins or (1 if smoke else 2 if args.quick else 3)
     args.warmup_rounds = args.warmup_rounds or (1 if args.quick else 2)
     # A joiner fewer rounds behind than the state is worth in averages takes them from genesis
-    # instead of downloading the state (node/loop.py catch_up): this benchmark measures downloads.
+    # instead of downloading the state (node/catchup.py): this benchmark measures downloads.
     from p2p.codecs import get_codec
 
     per_value = get_codec(args.codec).wire_bytes(1 << 20) / (1 << 20)

@@ -115,7 +115,7 @@ def test_joiner_survives_a_donor_dying_mid_download(nodes):
     # starts right after all three committed the same round: every donor holds the state it asks
     # for, so the one set to die is asked (not hoped to be asked) while the others still serve.
     # No averages kept: a joiner one round behind would take that round from its average
-    # instead of downloading the state (node/loop.py catch_up).
+    # instead of downloading the state (node/catchup.py).
     chunk = ["--set", "swarm.state_chunk_bytes=524288", "--inner-steps", "30", "--set", "swarm.catchup_rounds=0"]
     slow = {"GONKA_TEST_STEP_SECONDS": "0.5"}
     swarm = start_swarm(nodes, 3, env_for={0: slow, 1: slow, 2: {**slow, "GONKA_TEST_FAULT": "serve@1"}}, extra=chunk)

@@ -1,13 +1,11 @@
-"""A round taken from its average by a peer that missed it (node/loop.py ``catch_up``): the outer
+"""A round taken from its average by a peer that missed it (node/catchup.py): the outer
 step from the pieces as they came over the wire gives the members' state bit for bit, and an
 average that does not give its certificate's hash is undone."""
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from node.loop import TrainingLoop
+from node.catchup import step_verified
 from p2p.averagelog import RoundAverage
 from p2p.codecs import get_codec
 from p2p.compression import PIECE_ELEMS, CommittedAverage, piece_bounds
@@ -36,14 +34,13 @@ def test_an_average_from_the_wire_gives_the_members_state_and_a_wrong_one_is_und
     corpus = load_corpus(default_corpus_paths()[:4])
     codec = get_codec("int8")
     member, late = worker(corpus), worker(corpus)
-    host = SimpleNamespace(worker=late)
     for round in (1, 2):  # the second round with momentum: m and θ both come out the same
         member.inner_steps(2)
         pieces, payloads = wire_average(member, codec)
         prev = member.params_hash()
         member.apply_outer(CommittedAverage(codec, pieces, list(payloads), member.global_params))
         avg = RoundAverage(round, prev, member.params_hash(), codec.name, pieces, payloads)
-        assert TrainingLoop._step_verified(host, avg, codec, None)
+        assert step_verified(late, avg, codec, None)
         assert late.round == member.round == round and late.params_hash() == member.params_hash()
         assert all(torch.equal(a, b) for a, b in zip(late.outer_opt.momentum_buffers(),
                                                      member.outer_opt.momentum_buffers()))
@@ -55,5 +52,5 @@ def test_an_average_from_the_wire_gives_the_members_state_and_a_wrong_one_is_und
     pieces, payloads = wire_average(member, codec)
     wrong = [codec.encode(torch.full((e - s,), 1e-3)) for s, e in pieces]
     avg = RoundAverage(3, late.params_hash(), "not-this", codec.name, pieces, wrong)
-    assert not TrainingLoop._step_verified(host, avg, codec, snap)
+    assert not step_verified(late, avg, codec, snap)
     assert late.round == 2 and late.params_hash() == snap.params_hash
