@@ -76,6 +76,10 @@ START_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--log-format", "node.log_format", dict(metavar="FORMAT", help="text, or json: one JSON object per line (time, level, logger, message) for log shippers (default: {default})")),
     ("--nproc-per-node", "host.nproc_per_node", dict(metavar="N", type=int, help="train on N local ranks under torch.distributed.run: one per GPU (NCCL), or N CPU processes (gloo); one peer id for the host (default: {default}, the node's own process)")),
     ("--parallel", "host.parallel", dict(metavar="MODE", help="with --nproc-per-node > 1: fsdp (FSDP2, each rank holds 1/N of the model) or ddp (a replica per rank) (default: {default})")),
+    ("--param-dtype", "inner.param_dtype", dict(metavar="fp32|bf16", help="the local copy's parameters and gradients; bf16 rounds AdamW's updates stochastically (default: {default})")),
+    ("--optimizer-state", "inner.optimizer_state", dict(metavar="MODE", help="AdamW's moments: auto (the parameters' dtype), fp32, bf16 or 8bit (default: {default})")),
+    ("--offload", "inner.offload", dict(metavar="MODE", help="none, optimizer (AdamW state and step on the CPU, one GPU) or all (FSDP2 CPU offload of parameters, gradients and state) (default: {default})")),
+    ("--loss-chunk", "inner.loss_chunk", dict(metavar="TOKENS", type=int, help="compute the loss this many tokens at a time, never the whole batch's logits; 0 = at once (default: {default})")),
     ("--threads", "node.threads", dict(metavar="N", type=int, help="torch intra-op threads; 0 = torch's default (default: {default})")),
 ]
 
@@ -165,6 +169,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         sys.stdout.write(to_toml(config))
         return EXIT_OK
     logformat.configure(config.node.log_level, config.node.log_format)
+    _check_memory_modes(config)  # a mode this host cannot run: ConfigError, exit code 2, nothing loaded
     if config.host.nproc_per_node > 1:
         from trainer.parallel import launched
 
@@ -187,6 +192,18 @@ def _cmd_start(args: argparse.Namespace) -> int:
         logging.getLogger(PROG).exception("node failed")
         report(str(exc) or type(exc).__name__)
         return EXIT_RUNTIME
+
+
+def _check_memory_modes(config) -> None:
+    import torch
+
+    from trainer.memory import check_modes
+
+    device = config.node.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with setting_errors():
+        check_modes(config.inner, config.host, device)
 
 
 def _control_path(args: argparse.Namespace) -> str:

@@ -14,6 +14,7 @@ import torch
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
 from trainer.diloco import DiLoCoWorker
+from trainer.memory import set_lr
 from trainer.model import lm_loss
 from trainer.schedule import inner_lr
 
@@ -43,8 +44,7 @@ class DataParallel:
         model.train()
         total = 0.0
         for _ in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = inner_lr(self.step, self.inner)
+            set_lr(opt, inner_lr(self.step, self.inner))
             opt.zero_grad(set_to_none=True)
             for sampler in self.samplers:  # gradient of the mean loss = mean of the gradients
                 x, y = sampler.next_batch()

@@ -9,6 +9,7 @@ fsynced so the rename itself survives a power cut. Loading uses
 from __future__ import annotations
 
 import os
+import pickle
 
 import torch
 
@@ -22,6 +23,21 @@ def save_checkpoint(directory: str, state: dict) -> str:
     path = os.path.join(directory, LATEST)
     atomic_write(path, lambda f: torch.save(state, f))
     return path
+
+
+def load_tensors(path: str, **kwargs):
+    """``torch.load(path, weights_only=True)``: plain tensors and containers, and the 8-bit AdamW
+    state of torchao (``inner.optimizer_state = 8bit``), whose classes torchao allows for
+    weights-only loading once imported (it is, only for a file that holds them)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        if "torchao." not in str(e):
+            raise
+    from trainer.memory import torchao_optim
+
+    torchao_optim()
+    return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
 
 
 def load_error(error: Exception) -> str:
@@ -45,7 +61,7 @@ def load_checkpoint(directory: str) -> dict | None:
     if not os.path.exists(path):
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_tensors(path)
     except Exception as e:
         raise ValueError(f"node.checkpoint_dir: cannot load {path}: {load_error(e)}") from e
     if not isinstance(state, dict):
@@ -119,7 +135,7 @@ def load_host_part(directory: str, rank: int, world: int) -> dict | None:
         return None
     path = host_part_path(directory, pointer["seq"], rank)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_tensors(path)
     except Exception as e:
         raise ValueError(f"node.checkpoint_dir: cannot load {path}: {load_error(e)}") from e
     if not isinstance(state, dict) or state.get("rank") != rank or state.get("seq") != pointer["seq"]:

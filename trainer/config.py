@@ -14,6 +14,9 @@ MODEL_PRESETS = ("tiny", "small", "base")
 MODEL_INITS = ("auto", "pretrained", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
 VERIFY_MODES = ("start", "background", "off")
+PARAM_DTYPES = ("fp32", "bf16")
+OPTIMIZER_STATES = ("auto", "fp32", "bf16", "8bit")
+OFFLOAD_MODES = ("none", "optimizer", "all")
 OVERLAP_MODES = ("off", "delayed", "eager")
 
 
@@ -114,6 +117,24 @@ class InnerConfig:
     # Arithmetic of the inner steps: bf16 (autocast; the parameters and AdamW state stay
     # fp32), fp32 (TF32 matmuls on CUDA), or auto (bf16 on CUDA, fp32 on CPU).
     precision: str = "auto"
+    # Memory modes (docs/memory.md: the bytes per parameter of each; `gonka-node plan` says
+    # which fit). The swarm's θ and outer momentum stay fp32 whatever these are.
+    # The local copy's parameters and gradients: fp32, or bf16 whose AdamW updates are
+    # rounded stochastically (torchao), so updates smaller than a bf16 step are not lost.
+    param_dtype: str = "fp32"
+    # AdamW's moments: auto (the parameters' dtype), fp32 or bf16 (as the parameters must
+    # be), or 8bit (block-wise quantized, torchao: 2 bytes a parameter for both moments).
+    optimizer_state: str = "auto"
+    # none; optimizer = AdamW's state in host RAM and its step on the CPU (torchao's
+    # CPUOffloadOptimizer: one CUDA device, host.nproc_per_node = 1); all = parameters,
+    # gradients and optimizer state in host RAM (FSDP2's CPUOffloadPolicy: FSDP2 ranks).
+    offload: str = "none"
+    # Tokens per chunk of the loss: the output layer and cross-entropy run chunk by chunk,
+    # recomputed in the backward pass, so the logits of a whole batch (tokens x vocabulary,
+    # fp32) never exist at once; 0 = the whole batch's logits at once.
+    loss_chunk: int = 0
+    # torch.compile each decoder block (the first steps compile: seconds to minutes).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "inner.steps", f"must be >= 1 (got {self.steps})")
@@ -128,6 +149,26 @@ class InnerConfig:
         require(0.0 <= self.beta2 < 1.0, "inner.beta2", f"must be in [0, 1) (got {self.beta2})")
         require(self.grad_clip >= 0, "inner.grad_clip", f"must be >= 0 (got {self.grad_clip})")
         require(self.precision in PRECISIONS, "inner.precision", f"must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
+        require(self.param_dtype in PARAM_DTYPES, "inner.param_dtype",
+                f"must be one of {', '.join(PARAM_DTYPES)} (got {self.param_dtype!r})")
+        require(self.optimizer_state in OPTIMIZER_STATES, "inner.optimizer_state",
+                f"must be one of {', '.join(OPTIMIZER_STATES)} (got {self.optimizer_state!r})")
+        require(self.offload in OFFLOAD_MODES, "inner.offload",
+                f"must be one of {', '.join(OFFLOAD_MODES)} (got {self.offload!r})")
+        require(self.loss_chunk >= 0, "inner.loss_chunk", f"must be >= 0 (got {self.loss_chunk})")
+        require(not (self.param_dtype == "bf16" and self.precision == "fp32"), "inner.precision",
+                "fp32 arithmetic needs fp32 parameters (inner.param_dtype = bf16 computes in bf16)")
+        require(self.optimizer_state in ("auto", "8bit", self.param_dtype), "inner.optimizer_state",
+                f"{self.optimizer_state} moments need inner.param_dtype = {self.optimizer_state} "
+                f"(moments are kept in the parameters' dtype, or in 8 bits)")
+        require(not (self.offload == "optimizer" and (self.param_dtype, self.optimizer_state) not in
+                     (("fp32", "auto"), ("fp32", "fp32"))), "inner.offload",
+                "optimizer offload steps fp32 AdamW on the CPU: it needs fp32 parameters and moments")
+
+    @property
+    def state_kind(self) -> str:
+        """What AdamW's moments are: fp32, bf16 or 8bit."""
+        return self.param_dtype if self.optimizer_state == "auto" else self.optimizer_state
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,10 +23,12 @@ from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
 from trainer.landing import Landing
+from trainer.loss import install_chunked_loss
+from trainer.memory import inner_optimizer, param_dtype, set_lr
 from trainer.model import LoadedModel, check_vocab, load_model, lm_loss
 from trainer.outer import OuterOptimizer
-from trainer.parallel import (Ranks, local_optimizer_state, local_tensors, replica_slices, reshard_optimizer_state,
-                              resharded, shard_model, sync_replicas, wrap_model)
+from trainer.parallel import (Ranks, compile_blocks, local_optimizer_state, local_tensors, replica_slices,
+                              reshard_optimizer_state, resharded, shard_model, sync_replicas, wrap_model)
 from trainer.schedule import inner_lr
 
 @dataclass
@@ -52,9 +54,18 @@ def _check_tensors(tensors, like: list[torch.Tensor], key: str) -> None:
             raise ValueError(f"{key}: tensor {i} must be {ref.dtype} of shape {tuple(ref.shape)}")
 
 
+def _fp32_copies(tensors) -> list[torch.Tensor]:
+    return [t.detach().to("cpu", torch.float32, copy=True) for t in tensors]
+
+
 def _delta(start: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One tensor's Δ = start − θ_local, fp32 on the CPU (into ``out`` if given)."""
-    return torch.sub(start, local.detach().to("cpu", torch.float32), out=out)
+    """One tensor's Δ = start − θ_local, fp32 on the CPU (into ``out`` if given). A bf16 local copy
+    started from ``start`` rounded to bf16 (``copy_``): Δ is taken from there, its own movement, so
+    that rounding is not sent as if it were training."""
+    here = local.detach().to("cpu", torch.float32)
+    if local.dtype != torch.float32:
+        start = start.to(local.dtype).to(torch.float32)
+    return torch.sub(start, here, out=out)
 
 
 class DiLoCoWorker:
@@ -80,26 +91,38 @@ class DiLoCoWorker:
         self.model_cfg, self.data_cfg, self.inner_cfg = model, data, inner
         self.ranks = ranks
         self.device = ranks.device if ranks is not None else torch.device(device)
-        self.precision = inner.precision if inner.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.precision = inner.precision if inner.precision != "auto" else (
+            "bf16" if self.device.type == "cuda" or inner.param_dtype == "bf16" else "fp32")
+        offload = inner.offload == "all"
         # Same seed (or the same pretrained weights) on every peer: the swarm starts from one θ
         # with no download. ``loaded`` lets a caller that already built the model hand it over.
         # FSDP ranks shard it as it is built: a rank never holds the whole of a random init.
         sharded = ranks is not None and ranks.mode == "fsdp" and loaded is None
         if loaded is None:
-            loaded = load_model(model, seed, shard=(lambda m: shard_model(m, ranks, self.precision)) if sharded else None)
+            loaded = load_model(model, seed, shard=(lambda m: shard_model(self._prepared(m), ranks, self.precision,
+                                                                          offload=offload)) if sharded else None)
         self.loaded = loaded
         self.seq_len = data.seq_len or self.loaded.context
         if self.seq_len > self.loaded.context:
             raise ValueError(f"data.seq_len: {self.seq_len} exceeds the context of {model.source} "
                              f"({self.loaded.context} positions)")
         check_vocab(corpus, self.loaded)
-        if ranks is None:
-            self.model = self.loaded.module.to(self.device)
-        elif sharded:
-            self.model = self.loaded.module
+        # θ from the parameters as loaded (fp32: every memory mode starts from the same θ), then
+        # the local copy in its own dtype (trainer/memory.py): a DDP replica before DDP sees it.
+        dtype = param_dtype(inner)
+        if ranks is not None and ranks.mode == "ddp":
+            module = self._prepared(self.loaded.module)
+            self.global_params = _fp32_copies(replica_slices(module.parameters(), ranks))
+            self.model = wrap_model(module.to(dtype), ranks, self.precision)
         else:
-            self.model = wrap_model(self.loaded.module, ranks, self.precision)
-        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self._local()]
+            if ranks is None:
+                self.model = self._prepared(self.loaded.module).to(self.device)
+            else:
+                self.model = self.loaded.module if sharded else wrap_model(
+                    self._prepared(self.loaded.module), ranks, self.precision, offload=offload)
+            self.global_params = _fp32_copies(self._local())
+            if dtype != torch.float32:
+                self.model.to(dtype)
         momentum_storage, self.mapped = None, None
         if outer.state_dir:  # θ and the momentum in memory-mapped files (trainer/hoststate.py)
             from trainer.hoststate import MappedState, mapped_like, views
@@ -114,18 +137,12 @@ class DiLoCoWorker:
             torch.backends.cudnn.allow_tf32 = True
         # Matrices get weight decay; biases and norm gains do not (GPT-2 practice).
         params = list(self.model.parameters())
-        on_cuda = self.device.type == "cuda"
-        self.inner_opt = torch.optim.AdamW(
+        self.inner_opt = inner_optimizer(
             [
                 {"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
             ],
-            lr=inner.lr,
-            betas=(inner.beta1, inner.beta2),
-            # One fused kernel per step on GPUs; the per-tensor loop on CPU (where foreach buys nothing).
-            fused=True if on_cuda else None,
-            foreach=False if not on_cuda else None,
-        )
+            inner, torch.device("cpu") if offload else self.device)
         self.outer_cfg = outer
         self.outer_opt = OuterOptimizer(self.global_params, outer, momentum_storage)
         # Overlapped rounds: an average committed while the local copy trains moves the
@@ -159,6 +176,15 @@ class DiLoCoWorker:
             data=self.sampler.split_digest(), seq_len=self.seq_len, codec=codec,
             outer_lr=self.outer_cfg.lr, outer_momentum=self.outer_cfg.momentum, nesterov=self.outer_cfg.nesterov,
             rounds=rounds, layout=self.ranks.layout if sharded else "")
+
+    def _prepared(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The model before it is placed, sharded or wrapped: its chunked loss head and compiled
+        blocks, as the inner loop's settings ask."""
+        if self.inner_cfg.loss_chunk:
+            install_chunked_loss(module, self.inner_cfg.loss_chunk)
+        if self.inner_cfg.compile:
+            compile_blocks(module)
+        return module
 
     # -- inner loop -------------------------------------------------------
 
@@ -197,9 +223,7 @@ class DiLoCoWorker:
             if not gate(should_stop):
                 break
             x, y = self.sampler.next_batch()
-            lr = inner_lr(self.inner_step, self.inner_cfg)
-            for group in self.inner_opt.param_groups:
-                group["lr"] = lr
+            set_lr(self.inner_opt, inner_lr(self.inner_step, self.inner_cfg))
             loss = self._loss(x, y)
             self.inner_opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -433,7 +457,7 @@ class DiLoCoWorker:
             if not isinstance(d.get(key), int) or d[key] < 0:
                 raise ValueError(f"checkpoint: {key} must be an int >= 0")
         _check_tensors(d.get("global_params"), self.global_params, "checkpoint global_params")
-        _check_tensors(d.get("local_params"), self.global_params, "checkpoint local_params")
+        _check_tensors(d.get("local_params"), [p.detach() for p in self._local()], "checkpoint local_params")
         if not isinstance(d.get("rng_cpu"), torch.Tensor) or d["rng_cpu"].dtype != torch.uint8:
             raise ValueError("checkpoint: rng_cpu must be a uint8 tensor")
         if d.get("origin") is not None:

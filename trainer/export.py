@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint import HOST_LATEST, LATEST, host_part_path, load_error
+from trainer.checkpoint import HOST_LATEST, LATEST, host_part_path, load_error, load_tensors
 
 # --dtype values and the torch dtype each writes.
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -180,7 +180,7 @@ def _load_pinned(path: str) -> object:
         try:
             before = os.fstat(fd)
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                state = load_tensors(path, mmap=True)
             except FileNotFoundError:
                 continue  # replaced between our open and torch's
             except Exception as e:
@@ -237,7 +237,7 @@ def _load_host(directory: str) -> tuple[str, _Checkpoint]:
             for rank in range(world):
                 part = host_part_path(directory, seq, rank)
                 try:
-                    parts.append(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
+                    parts.append(load_tensors(part, mmap=True))
                 except FileNotFoundError:
                     raise
                 except Exception as e:

@@ -389,7 +389,17 @@ def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
 
 
 def lm_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``y`` is ``x`` shifted by one already (the sampler's windows)."""
+    """Mean next-token cross-entropy; ``y`` is ``x`` shifted by one already (the sampler's windows).
+    A model with a chunked loss head (trainer/loss.py) returns it from its own forward."""
+    from trainer.loss import loss_head
+
+    head = loss_head(module)
+    if head is not None:
+        head.targets = y
+        try:
+            return module(input_ids=x, use_cache=False).logits
+        finally:
+            head.targets = None
     logits = module(input_ids=x, use_cache=False).logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 

@@ -82,15 +82,15 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if type(m).__name__ in names]
 
 
-def wrap_model(module: nn.Module, ranks: Ranks, precision: str) -> nn.Module:
+def wrap_model(module: nn.Module, ranks: Ranks, precision: str, *, offload: bool = False) -> nn.Module:
     """The host's model over its ranks, as ``ranks.mode`` says (FSDP2 shards or DDP replicas)."""
     if ranks.mode == "ddp":
         return replicate_model(module, ranks)
-    return shard_model(module, ranks, precision)
+    return shard_model(module, ranks, precision, offload=offload)
 
 
 def replicate_model(module: nn.Module, ranks: Ranks) -> nn.Module:
-    """DDP over the host's ranks: a whole fp32 replica each (bf16 is the loss's autocast), and
+    """DDP over the host's ranks: a whole replica each (bf16 is the loss's autocast), and
     no buffer broadcast per forward (the models' buffers are computed, equal on every rank)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -99,28 +99,44 @@ def replicate_model(module: nn.Module, ranks: Ranks) -> nn.Module:
     return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
 
 
-def shard_model(module: nn.Module, ranks: Ranks, precision: str) -> nn.Module:
+def shard_model(module: nn.Module, ranks: Ranks, precision: str, *, offload: bool = False) -> nn.Module:
     """FSDP2 over the host's ranks; bf16 compute with fp32 gradients reduced when asked (the
-    sharded parameters themselves stay fp32). Tied embeddings are one parameter of the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    sharded parameters keep their own dtype). Tied embeddings are one parameter of the root.
+    ``offload``: FSDP2's CPUOffloadPolicy (``inner.offload = all``): the sharded parameters, their
+    gradients and the optimizer's state stay in host RAM, each block copied to the device for
+    its forward and backward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
+    placement = CPUOffloadPolicy(pin_memory=ranks.device.type == "cuda") if offload else OffloadPolicy()
+    home = torch.device("cpu") if offload else ranks.device
     on_meta = any(p.is_meta for p in module.parameters())
     buffers = {name: b for name, b in module.named_buffers()}
     if not on_meta:
-        module.to(ranks.device)
+        module.to(home)
     for block in _blocks(module):
-        fully_shard(block, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, offload_policy=placement)
     # The root too gives its parameters back after a forward: an evaluation (no backward) must
     # leave every parameter sharded, as the outer state pairs with the shards.
-    fully_shard(module, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(module, mp_policy=policy, offload_policy=placement, reshard_after_forward=True)
     if on_meta:  # each rank allocates its shards only (the caller fills them); buffers keep their values
-        module.to_empty(device=ranks.device)
+        module.to_empty(device=home)
         with torch.no_grad():
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
+    if offload and ranks.device.type == "cuda":  # buffers (rotary tables) where the compute is
+        for name, b in module.named_buffers():
+            b.data = b.data.to(ranks.device)
     return module
+
+
+def compile_blocks(module: nn.Module) -> None:
+    """``torch.compile`` each decoder block in place (``inner.compile``): the blocks are where the
+    FLOPs are, and compiling them one by one keeps FSDP2's hooks and activation checkpointing
+    around each block outside the compiled graph."""
+    for block in _blocks(module):
+        block.compile()
 
 
 def resharded(module: nn.Module) -> None:

@@ -7,6 +7,12 @@ writes every rank's part of a final checkpoint and restarts from it on the commo
 rank SIGKILLed mid-round takes its host out (the launcher stops the other rank, nothing is
 left running) without the other host committing anything alone. A checkpoint with a part
 missing is refused at start-up.
+
+The hosts train in different memory modes (trainer/memory.py), which are local choices: one
+with its parameters, gradients and AdamW state under FSDP2's CPU offload, one with bf16
+parameters, 8-bit AdamW state and a chunked loss (it resumes from its checkpoint, 8-bit state
+included, and its checkpoint exports), one with bf16 parameters and moments (it joins by
+download); all commit the same rounds on one params_hash.
 """
 
 import json
@@ -25,6 +31,9 @@ from tests.integration.nodes import BIN, BOUND, STEP_ENV, alive, children_of, co
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 HOST = ["--nproc-per-node", "2", "--device", "cpu", "--inner-steps", "3"]
+OFFLOADED = ["--set", "inner.offload=all"]
+LOW_BITS = ["--set", "inner.param_dtype=bf16", "--set", "inner.optimizer_state=8bit", "--set", "inner.loss_chunk=40"]
+BF16 = ["--set", "inner.param_dtype=bf16"]
 # A step of two CPU ranks (FSDP2 or DDP over gloo) costs ~0.15 CPU-s; each also waits this long,
 # as on accelerators, so three hosts of two ranks leave the machine's cores to the rest of the
 # test (the export, the hosts starting) and to the suite's other processes.
@@ -70,12 +79,13 @@ def check_export(out: Path, parts: list[Path]) -> None:
     import torch
     from safetensors.torch import load_file
 
+    from trainer.checkpoint import load_tensors
     from trainer.presets import PresetLlama
 
     weights = load_file(out / "model.safetensors")
     names = [name for name, _ in PresetLlama("tiny").named_parameters()]
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    shards = [torch.load(p, map_location="cpu", weights_only=True)["worker"]["global_params"] for p in parts]
+    shards = [load_tensors(p)["worker"]["global_params"] for p in parts]
     assert sorted(weights) == sorted(names) and len(names) == len(shards[0])
     for i, name in enumerate(names):
         assert torch.equal(weights[name], torch.cat([s[i] for s in shards])), name
@@ -104,8 +114,9 @@ def export_and_check(parts: list[Path], out: Path) -> None:
 
 def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_rank(hosts, tmp_path):
     ckpt = tmp_path / "b-ckpt"
-    b_args = [*HOST, "--min-peers", "2", "--checkpoint-dir", str(ckpt), "--identity", str(tmp_path / "b.key")]
-    a = hosts("a", *HOST, "--min-peers", "2")
+    b_args = [*HOST, *LOW_BITS, "--min-peers", "2", "--checkpoint-dir", str(ckpt), "--identity",
+              str(tmp_path / "b.key")]
+    a = hosts("a", *HOST, *OFFLOADED, "--min-peers", "2")
     b = hosts("b", *b_args, "--bootstrap", a.address())
     for n in (a, b):
         n.wait_round(2, timeout=240)
@@ -132,7 +143,7 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
     # A third 2-rank host joins meanwhile: each of its ranks downloads its shard from the donors'
     # matching ranks (every shard checked against rank 0's certified list), then trains with them.
     b2 = hosts("b2", *b_args, "--bootstrap", a.address())
-    c = hosts("c", *HOST, "--min-peers", "2", "--bootstrap", a.address())
+    c = hosts("c", *HOST, *BF16, "--min-peers", "2", "--bootstrap", a.address())
     # While they start: the sharded checkpoint exports as one Hugging Face model, joined tensor
     # by tensor.
     export_and_check(parts, tmp_path / "export")
@@ -192,10 +203,12 @@ def test_two_hosts_of_two_ddp_ranks_train_restart_and_take_a_joiner_on_one_hash(
     averaged, and all ranks land the average at one step. Whatever loads a state or lands an
     average into a DDP replica ends in a collective of every rank, which the ranks reach
     together: a host restarted from its sharded checkpoint, a host that joins and downloads the
-    state, checkpoints taken with an average still to land."""
+    state, checkpoints taken with an average still to land. The hosts' memory modes differ."""
     ckpt = tmp_path / "b-ckpt"
     ddp = [*HOST, "--parallel", "ddp", "--min-peers", "2", "--set", "swarm.codec=int8", "--overlap", "eager"]
-    b_args = [*ddp, "--checkpoint-dir", str(ckpt), "--identity", str(tmp_path / "b.key")]
+    # b: bf16 replicas (cast before DDP sees them) with a chunked loss; c: 8-bit AdamW state.
+    b_args = [*ddp, *BF16, "--set", "inner.loss_chunk=40", "--checkpoint-dir", str(ckpt), "--identity",
+              str(tmp_path / "b.key")]
     a = hosts("a", *ddp)
     b = hosts("b", *b_args, "--bootstrap", a.address())
     for n in (a, b):
@@ -211,7 +224,7 @@ def test_two_hosts_of_two_ddp_ranks_train_restart_and_take_a_joiner_on_one_hash(
     # b resumes from its checkpoint (every rank loads its part at once) and c joins: each of its
     # ranks downloads its shard, and all load them at once.
     b2 = hosts("b2", *b_args, "--bootstrap", a.address())
-    c = hosts("c", *ddp, "--bootstrap", a.address())
+    c = hosts("c", *ddp, "--set", "inner.optimizer_state=8bit", "--bootstrap", a.address())
     # Meanwhile: each rank's checkpoint part holds its own rows of θ; the export joins them.
     export_and_check(parts, tmp_path / "export")
     wait_until(lambda: "resynced round=" in c.log() or c.proc.poll() is not None, 180, "c to download the state")

@@ -1,0 +1,119 @@
+"""The inner loop's memory modes: what the local copy's parameters and AdamW's state are kept in,
+and where (``[inner] param_dtype``, ``optimizer_state``, ``offload``; docs/memory.md).
+
+Each mode is the PyTorch ecosystem's own implementation, chosen for what it keeps off the GPU:
+
+- bf16 parameters: AdamW from torchao with stochastic rounding of each update to bf16
+  (``bf16_stochastic_round``): an update smaller than half a bf16 step moves the parameter with
+  the right probability instead of never, so H steps of small updates add up in expectation.
+  The swarm's θ and momentum stay fp32 on the host; the local copy starts each round from θ
+  rounded to bf16, and its pseudo-gradient is its own movement (trainer/diloco.py ``_delta``).
+- 8-bit moments: torchao's block-wise quantized AdamW state (dynamic-tree codes, one scale per
+  256 values), 2 bytes a parameter for both moments instead of 8. Its state reads as fp32
+  whatever the parameters' dtype (torchao 0.18's bf16-typed 8-bit state cannot be read back
+  as fp32 inside its own step), and the update of bf16 parameters is rounded stochastically.
+- optimizer offload: torchao's ``CPUOffloadOptimizer`` (fp32 AdamW state in host RAM, its step
+  on the CPU, copies overlapped on a side stream): one CUDA device.
+- full offload: FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and state in host
+  RAM; all-gathers copy each block to the GPU): FSDP2 ranks (trainer/parallel.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.config import HostConfig, InnerConfig
+
+
+def check_modes(inner: InnerConfig, host: HostConfig, device: str) -> None:
+    """A mode this host cannot run: ValueError naming the key (exit code 2 before anything loads).
+    ``device``: cpu or cuda[:N] (auto resolved)."""
+    if inner.offload == "optimizer":
+        if not device.startswith("cuda"):
+            raise ValueError("inner.offload: optimizer offload moves AdamW's state off a CUDA device; "
+                             f"this node trains on {device} (use none, or all with FSDP2 ranks)")
+        if host.nproc_per_node > 1:
+            raise ValueError("inner.offload: optimizer offload serves one device (host.nproc_per_node = 1); "
+                             "with FSDP2 ranks use all")
+    if inner.offload == "all" and (host.nproc_per_node < 2 or host.parallel != "fsdp"):
+        raise ValueError("inner.offload: all is FSDP2's CPU offload: it needs host.parallel = fsdp and "
+                         f"host.nproc_per_node >= 2 (got {host.parallel} x {host.nproc_per_node})")
+    if inner.state_kind != "fp32" or inner.param_dtype != "fp32":
+        _torchao()  # the low-precision modes are torchao's
+
+
+def torchao_optim():
+    """``torchao.optim``, imported without its start-up noise: torchao logs a warning for each of
+    its CUDA-only kernel libraries a host cannot load, which none of these modes uses."""
+    import logging
+
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.optim as ao
+        from torchao.optim.subclass_8bit import OptimState8bit
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    # A checkpoint's 8-bit AdamW state: codes and scales, rebuilt as torchao's class (no code runs).
+    torch.serialization.add_safe_globals([OptimState8bit])
+    return ao
+
+
+def _torchao():
+    try:
+        return torchao_optim()
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise ValueError(f"inner.optimizer_state: needs torchao ({exc})") from None
+
+
+def inner_optimizer(groups: list[dict], inner: InnerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``groups`` in the mode ``inner`` names (its lr set per step with ``set_lr``)."""
+    kw = dict(lr=inner.lr, betas=(inner.beta1, inner.beta2))
+    on_cuda = device.type == "cuda"
+    if inner.offload == "optimizer":
+        ao = _torchao()
+        return ao.CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=True, fused=True, **kw)
+    if inner.state_kind == "8bit":
+        return _adamw_8bit()(groups, bf16_stochastic_round=inner.param_dtype == "bf16", **kw)
+    if inner.param_dtype == "bf16":
+        return _torchao()._AdamW(groups, bf16_stochastic_round=True, **kw)
+    # fp32: one fused kernel per step on GPUs; the per-tensor loop on CPU (where foreach buys nothing).
+    return torch.optim.AdamW(groups, fused=True if on_cuda else None, foreach=False if not on_cuda else None, **kw)
+
+
+def _adamw_8bit():
+    """torchao's AdamW8bit, its 8-bit state read as fp32 (see the module's docstring)."""
+    ao = _torchao()
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    class AdamW8bitFp32State(ao.AdamW8bit):
+        @staticmethod
+        def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int):
+            return OptimState8bit.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            # torch's loader gives every state tensor its parameter's dtype; for the 8-bit state
+            # that is only how it reads (the codes stay), and it must read as fp32 again.
+            super().load_state_dict(state_dict)
+            for state in self.state.values():
+                for key, value in state.items():
+                    if isinstance(value, OptimState8bit) and value.dtype != torch.float32:
+                        state[key] = value.to(torch.float32)
+
+    return AdamW8bitFp32State
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """The learning rate of every group (torchao's optimizers keep it as a tensor, set in place)."""
+    for group in opt.param_groups:
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def param_dtype(inner: InnerConfig) -> torch.dtype:
+    return torch.bfloat16 if inner.param_dtype == "bf16" else torch.float32
