@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from node import admit_cmd, export_cmd, logformat, plot_cmd, prepare_cmd, top_cmd
+from node import admit_cmd, export_cmd, logformat, plan_cmd, plot_cmd, prepare_cmd, top_cmd
 from node.config import ConfigError, default_of, load_config, load_injection, setting_errors, to_toml
 from node.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, PROG, UsageError, report, version
 
@@ -132,6 +132,7 @@ def build_parser() -> ArgumentParser:
     export_cmd.add_parser(commands)
     admit_cmd.add_parser(commands)
     plot_cmd.add_parser(commands)
+    plan_cmd.add_parser(commands)
     top_cmd.add_parser(commands, _control_args)
     return parser
 
@@ -204,6 +205,11 @@ def _check_memory_modes(config) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     with setting_errors():
         check_modes(config.inner, config.host, device)
+        from trainer.plan import fit_error
+
+        reason = fit_error(config, device)  # the model's own state alone does not fit this host
+        if reason is not None:
+            raise ValueError(reason)
 
 
 def _control_path(args: argparse.Namespace) -> str:
@@ -303,6 +309,7 @@ COMMANDS = {
     "export": export_cmd.run,
     "admit": admit_cmd.run,
     "plot": plot_cmd.run,
+    "plan": plan_cmd.run,
     "top": lambda args: top_cmd.run(args, lambda cmd: _ask(args, cmd)),
 }
 

@@ -43,20 +43,11 @@ def check_modes(inner: InnerConfig, host: HostConfig, device: str) -> None:
 
 
 def torchao_optim():
-    """``torchao.optim``, imported without its start-up noise: torchao logs a warning for each of
-    its CUDA-only kernel libraries a host cannot load, which none of these modes uses."""
-    import logging
+    """``torchao.optim``, its 8-bit state's class allowed in weights-only checkpoint loads (its
+    start-up warnings are silenced in trainer/__init__.py)."""
+    import torchao.optim as ao
+    from torchao.optim.subclass_8bit import OptimState8bit
 
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.ERROR)
-    try:
-        import torchao.optim as ao
-        from torchao.optim.subclass_8bit import OptimState8bit
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
     # A checkpoint's 8-bit AdamW state: codes and scales, rebuilt as torchao's class (no code runs).
     torch.serialization.add_safe_globals([OptimState8bit])
     return ao

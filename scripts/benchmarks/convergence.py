@@ -57,6 +57,14 @@ OUTER_LR = 1.0
 OUTER_MOMENTUM = 0.8
 
 
+# Inner-loop memory modes (trainer/memory.py) the benchmark compares with fp32 masters.
+MEMORY_MODES = {
+    "bf16": dict(param_dtype="bf16"),
+    "8bit": dict(optimizer_state="8bit"),
+    "bf16+8bit": dict(param_dtype="bf16", optimizer_state="8bit"),
+}
+
+
 def add_arguments(group) -> None:
     group.add_argument("--workers", type=int, default=0, help="k workers (default 4; 2 with --smoke)")
     group.add_argument("--inner-steps", type=int, default=0, help="H (default 130; 20 with --quick, 2 with --smoke)")
@@ -79,6 +87,10 @@ def add_arguments(group) -> None:
     group.add_argument("--land-after", type=float, default=0.5,
                        help="overlapped runs: fraction of the next round's steps after which an average lands "
                             "(default 0.5; 1.0 = at the end of the round)")
+    group.add_argument("--memory-modes", default="bf16,8bit,bf16+8bit",
+                       help="comma list of inner-loop memory modes run as extra fp32 DiLoCo curves: bf16 "
+                            "(parameters, stochastic rounding), 8bit (AdamW state), bf16+8bit; 'none' for none "
+                            "(default bf16,8bit,bf16+8bit)")
     group.add_argument("--threads", type=int, default=1,
                        help="torch CPU threads (default 1: the tiny model gains nothing from more, and on shared "
                             "cores extra threads spin and slow every step down)")
@@ -108,6 +120,11 @@ def _defaults(args) -> None:
     if bad:
         raise SystemExit(f"convergence: --overlap: {bad[0]!r} is not delayed, eager or none")
     args.overlap_modes = modes
+    mem = [] if args.memory_modes.strip() == "none" else [m.strip() for m in args.memory_modes.split(",") if m.strip()]
+    bad = [m for m in mem if m not in MEMORY_MODES]
+    if bad:
+        raise SystemExit(f"convergence: --memory-modes: {bad[0]!r} is not one of {', '.join(MEMORY_MODES)} or none")
+    args.memory_mode_list = mem
     if not 0.0 <= args.land_after <= 1.0:
         raise SystemExit("convergence: --land-after must be in [0, 1]")
 
@@ -128,10 +145,10 @@ def run(args: argparse.Namespace) -> dict:
 
     codec = get_codec(args.codec)
 
-    def diloco(name: str, workers: int, outer: OuterConfig, wrap=None) -> float:
+    def diloco(name: str, workers: int, outer: OuterConfig, wrap=None, memory: dict | None = None) -> float:
         started = time.perf_counter()
-        sim = Simulator(workers, model=model, data=data, inner=inner, outer=outer, corpus=corpus, seed=args.seed,
-                        wrap=wrap, land_after=args.land_after)
+        sim = Simulator(workers, model=model, data=data, inner=dataclasses.replace(inner, **(memory or {})),
+                        outer=outer, corpus=corpus, seed=args.seed, wrap=wrap, land_after=args.land_after)
         records = sim.run_sync(R, H)
         per_round = H * workers * tokens_per_worker_step
         if outer.overlap == "off":
@@ -151,6 +168,8 @@ def run(args: argparse.Namespace) -> dict:
                               wrap=lambda i, m: CompressingMember(m, codec, k, feedback=False))
     overlapped = {mode: diloco(f"diloco_{mode}", k, dataclasses.replace(outer, overlap=mode))
                   for mode in args.overlap_modes}
+    in_memory_modes = {mode: diloco(f"diloco_{mode}", k, outer, memory=MEMORY_MODES[mode])
+                       for mode in args.memory_mode_list}
     # One worker, outer lr 1 and no momentum: plain AdamW (the outer step just adopts θ_local).
     single_loss = diloco("single", 1, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
 
@@ -198,6 +217,8 @@ def run(args: argparse.Namespace) -> dict:
         "diloco_compressed_bytes_per_worker": int(per_sync_compressed * R),
         **{f"diloco_{m}_eval_loss": loss for m, loss in overlapped.items()},
         **{f"{m}_vs_uncompressed_loss": loss / diloco_loss - 1 for m, loss in overlapped.items()},
+        **{f"diloco_{m}_eval_loss": loss for m, loss in in_memory_modes.items()},
+        **{f"{m}_vs_fp32_masters_loss": loss / diloco_loss - 1 for m, loss in in_memory_modes.items()},
         "diloco_vs_ddp_loss": diloco_loss / ddp_loss - 1,
         "compressed_vs_uncompressed_loss": compressed_loss / diloco_loss - 1,
         "compressed_vs_ddp_loss": compressed_loss / ddp_loss - 1,
@@ -212,6 +233,7 @@ def run(args: argparse.Namespace) -> dict:
             "compressed_loss_within_2pct_of_ddp": compressed_loss <= 1.02 * ddp_loss,
             "compressed_100x_fewer_bytes_than_ddp": per_sync * H / per_sync_compressed >= 100,
             "compressed_1000x_fewer_bytes_than_ddp": per_sync * H / per_sync_compressed >= 1000,
+            **{f"{m}_within_1pct_of_fp32_masters": loss <= 1.01 * diloco_loss for m, loss in in_memory_modes.items()},
         },
         "seconds": seconds,
         "curves": curves,
@@ -227,6 +249,8 @@ def run(args: argparse.Namespace) -> dict:
     ]
     result["rows"] += [{"run": f"diloco, {m} overlap", "eval_loss": loss, "tokens": result["tokens"],
                         "bytes_per_worker": result["diloco_bytes_per_worker"]} for m, loss in overlapped.items()]
+    result["rows"] += [{"run": f"diloco, {m} inner loop", "eval_loss": loss, "tokens": result["tokens"],
+                        "bytes_per_worker": result["diloco_bytes_per_worker"]} for m, loss in in_memory_modes.items()]
     for row in result["rows"]:
         row["vs_ddp"] = f"{row['eval_loss'] / ddp_loss - 1:+.1%}"
         row["ddp_bytes_ratio"] = f"{result['ddp_bytes_per_worker'] / row['bytes_per_worker']:.0f}x" if row["bytes_per_worker"] else "-"
