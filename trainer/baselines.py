@@ -15,6 +15,7 @@ from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
 from trainer.diloco import DiLoCoWorker
 from trainer.memory import set_lr
+from trainer.memory import step as optimizer_step
 from trainer.model import lm_loss
 from trainer.schedule import inner_lr
 
@@ -53,7 +54,7 @@ class DataParallel:
                 total += loss.item() / len(self.samplers)
             if self.inner.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), self.inner.grad_clip, foreach=False)
-            opt.step()
+            optimizer_step(opt)
             self.step += 1
         return total / max(steps, 1)
 

@@ -22,9 +22,11 @@ import torch
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
+from trainer.inithash import init_hash
 from trainer.landing import Landing
 from trainer.loss import install_chunked_loss
 from trainer.memory import inner_optimizer, param_dtype, set_lr
+from trainer.memory import step as optimizer_step
 from trainer.model import LoadedModel, check_vocab, load_model, lm_loss
 from trainer.outer import OuterOptimizer
 from trainer.parallel import (Ranks, compile_blocks, local_optimizer_state, local_tensors, replica_slices,
@@ -164,7 +166,9 @@ class DiLoCoWorker:
         self.inner_step = 0
         self._corpus = corpus
         # θ before any step or download: part of the run's fingerprint.
-        self.init_hash = self.params_hash()
+        # θ read from pretrained files is hashed once per set of files (trainer/inithash.py).
+        layout = "single" if ranks is None else f"{ranks.layout}/rank{ranks.rank}"
+        self.init_hash = init_hash(self.loaded.weight_files, layout, self.params_hash)
 
     def fingerprint(self, codec: str, rounds: str = "", init_hash: str = "") -> Fingerprint:
         """What every peer of this run must share (trainer/fingerprint.py). ``init_hash``: the
@@ -229,7 +233,7 @@ class DiLoCoWorker:
             loss.backward()
             if self.inner_cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner_cfg.grad_clip)
-            self.inner_opt.step()
+            optimizer_step(self.inner_opt)
             self.inner_step += 1
             loss_sum += loss.detach().float()
             steps += 1

@@ -20,6 +20,8 @@ Each mode is the PyTorch ecosystem's own implementation, chosen for what it keep
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from trainer.config import HostConfig, InnerConfig
@@ -81,6 +83,8 @@ def _adamw_8bit():
     from torchao.optim.subclass_8bit import OptimState8bit
 
     class AdamW8bitFp32State(ao.AdamW8bit):
+        compiled_step = True
+
         @staticmethod
         def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int):
             return OptimState8bit.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
@@ -95,6 +99,21 @@ def _adamw_8bit():
                         state[key] = value.to(torch.float32)
 
     return AdamW8bitFp32State
+
+
+# torchao's optimizers torch.compile their step on first use, and Dynamo is not thread-safe: the
+# simulator's workers train on threads of one process (a node trains on one), so their steps
+# take turns. Uncontended in a node.
+_COMPILED_STEPS = threading.Lock()
+
+
+def step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()``; one at a time in this process for the optimizers whose step is compiled."""
+    if type(opt).__module__.startswith("torchao") or getattr(opt, "compiled_step", False):
+        with _COMPILED_STEPS:
+            opt.step()
+    else:
+        opt.step()
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

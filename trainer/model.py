@@ -56,6 +56,8 @@ class LoadedModel:
     tokenizer_dir: str | None
     # True for the presets, whose tokens are bytes.
     byte_level: bool
+    # The safetensors files (and config.json) the parameters were read from; empty for a random init.
+    weight_files: tuple[str, ...] = ()
 
 
 def preset_config(name: str):
@@ -385,7 +387,8 @@ def load_model(cfg: ModelConfig, seed: int, shard=None) -> LoadedModel:
     vocab = module.get_input_embeddings().weight.shape[0]
     return LoadedModel(module=module, source=cfg.source, config=config_dict, vocab_size=vocab, context=context,
                        param_names=[name for name, _ in module.named_parameters()], tokenizer_dir=tokenizer_dir,
-                       byte_level=path is None)
+                       byte_level=path is None,
+                       weight_files=() if random else (*_weight_files(path), os.path.join(path, "config.json")))
 
 
 def lm_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

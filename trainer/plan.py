@@ -269,7 +269,10 @@ def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
             else:
                 host["outer_state"] = n * (4 + 4 + (4 if lossy else 0))
             host["round_average"] = codec.wire_bytes(n)
-            host["kept_averages"] = run.catchup_rounds * codec.wire_bytes(n)
+            if world > 1:  # each rank's encoded Δ, handed to rank 0 for the host's exchange
+                host["round_inputs"] = codec.wire_bytes(n)
+            # Kept for joiners' catch-up by single-rank hosts (multi-rank hosts keep none).
+            host["kept_averages"] = run.catchup_rounds * codec.wire_bytes(n) if world == 1 else 0.0
             if mode.offload == "all":
                 host["offloaded"] = n * (mode.param_bytes * 2 + mode.state_bytes)
             elif mode.offload == "optimizer":
@@ -331,6 +334,8 @@ def fit_error(config, device: str) -> str | None:
 
     inner, host = config.inner, config.host
     cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        return None  # the device check that follows says so (node/launch.py, node/daemon.py)
     mode = Mode("the configured mode", param_dtype=inner.param_dtype, optimizer_state=inner.optimizer_state,
                 offload=inner.offload)
     gpu_memory = torch.cuda.get_device_properties(torch.device(device)).total_memory if cuda else 0.0

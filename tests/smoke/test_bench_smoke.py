@@ -68,7 +68,9 @@ SPECS: dict[str, dict] = {
                       systems=("aggregator", {"mean", "clip", "centered_clip"})),
     "convergence": dict(positive=["eval_loss", "tokens"],
                         systems=("run", {"diloco", "ddp", "single", "diloco fp4 + error feedback",
-                                         "diloco fp4, no feedback", "diloco, eager overlap"})),
+                                         "diloco fp4, no feedback", "diloco, eager overlap",
+                                         "diloco, bf16 inner loop", "diloco, 8bit inner loop",
+                                         "diloco, bf16+8bit inner loop"})),
     "dataloader": dict(positive=["batches", "samples_s", "Mtokens_s", "rss_start_MB", "rss_end_MB", "rss_peak_MB"],
                        finite=["rss_growth_MB"], systems=("source", {"mmap", "in_memory"})),
     "prepare": dict(positive=["tokens", "prepare_tok_s", "bare_tok_s", "bare_fast_tok_s", "ratio", "prepare_s"],
@@ -78,6 +80,7 @@ SPECS: dict[str, dict] = {
     "overhead": dict(positive=["node_tokens_per_s", "bare_tokens_per_s", "ratio"]),
     "gpu": dict(positive=["node_tokens_per_s", "bare_tokens_per_s", "ratio"]),
     "memory": dict(positive=["params", "round_peak_mb"], systems=("ranks", {1, 2})),
+    "planfit": dict(positive=["rank1_mb", "rank0_mb", "plan_mb", "rank1_ratio"], systems=("mode", {"bf16+8bit"})),
     "outerstate": dict(positive=["params", "state_GB", "anon_peak_GB", "file_peak_GB", "step_s", "GB_per_s"],
                        systems=("mode", {"ram", "disk"})),
     "allreduce": dict(positive=["seconds", "commit_s", "allreduce_s", "bound_seconds", "ratio_to_bound",
@@ -96,7 +99,7 @@ GROUPS: dict[str, list[str]] = {
     # In-process work and a few short-lived children each.
     "cpu": ["codecs", "trust", "aggregate", "convergence", "dataloader", "prepare", "scale", "outerstate"],
     # Several gonka-node (or bare training loop) processes each.
-    "nodes": ["overhead", "gpu", "memory"],
+    "nodes": ["overhead", "gpu", "memory", "planfit"],
     # The testbed (network namespaces): root only. Two groups side by side: their benchmarks mostly
     # wait on links and nodes, and each testbed's namespaces carry the pid of its group's process.
     "testbed": ["utilization", "allreduce"],
@@ -105,8 +108,8 @@ GROUPS: dict[str, list[str]] = {
 TESTBED_GROUPS = {"testbed", "testbed2"}
 # Smoke wall seconds on the 2-core development machine, load average 1-2 (5-7: up to twice
 # that), one group at a time: the time limit is 4 times their sum, plus a start-up.
-SECONDS = {"codecs": 1, "trust": 1, "outerstate": 4, "aggregate": 7, "convergence": 4, "dataloader": 5, "prepare": 3, "scale": 6,
-           "overhead": 14, "gpu": 16, "memory": 85, "allreduce": 17, "killed": 19, "join": 32,
+SECONDS = {"codecs": 1, "trust": 1, "outerstate": 4, "aggregate": 7, "convergence": 25, "dataloader": 5, "prepare": 3, "scale": 6,
+           "overhead": 14, "gpu": 16, "memory": 85, "planfit": 25, "allreduce": 17, "killed": 19, "join": 32,
            "utilization": 40, "hostranks": 45}
 
 

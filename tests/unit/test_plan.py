@@ -97,3 +97,14 @@ def test_start_refuses_a_model_its_host_cannot_hold_before_loading_anything(llam
     assert code == 2 and not loaded, err
     assert err.count("\n") == 1 and "model.source: " in err and "does not fit" in err and "GiB of host memory" in err
     assert torch.get_num_threads() >= 1
+
+
+def test_scale_doc_is_what_plan_says():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "scaledoc.py"), "--check"], capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
