@@ -47,6 +47,7 @@ SECONDS = {
     "tests/testbed/test_wan.py": 10, "tests/unit/test_data.py": 9,
     "tests/unit/test_determinism.py": 8, "tests/unit/test_allocator.py": 8, "tests/unit/test_wire.py": 7,
     "tests/unit/test_signing.py": 6, "tests/unit/test_dialing.py": 4,
+    "tests/unit/test_memory_modes.py": 35, "tests/unit/test_plan.py": 20, "tests/unit/test_inithash.py": 10,
 }
 
 

@@ -140,3 +140,13 @@ def test_modes_a_host_cannot_run_are_refused_by_key():
     ]:
         with pytest.raises(ValueError, match=match):
             InnerConfig(**inner)
+
+
+def test_compiled_blocks_train_as_the_eager_model(corpus):
+    eager, compiled = make_worker(corpus), make_worker(corpus, compile=True)
+    assert all(hasattr(block, "_compiled_call_impl") and block._compiled_call_impl is not None
+               for block in compiled.model.model.layers)
+    a, b = eager.inner_steps(2), compiled.inner_steps(2)
+    assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-4)
+    for p, q in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
