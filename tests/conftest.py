@@ -1,8 +1,12 @@
-"""What every test shares: caches a node writes go to the test session's temporary directory."""
+"""What every test shares: caches a node writes go to the test session's temporary directory,
+and torch.compile (torchao's optimizers compile their step) builds its kernels in the process
+that needs them, not in a pool of one worker per core started beside the suite's own processes."""
 
 import os
 
 import pytest
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -31,7 +31,7 @@ TOGETHER = ("tests/testbed",)  # directories whose files run in one stream, in o
 DEFAULT = 2.0
 # Wall seconds of the longer files in one run of the suite in streams (2026-12-06, 3 streams).
 SECONDS = {
-    "tests/integration/test_faults.py": 250, "tests/integration/test_host_ranks.py": 182,
+    "tests/integration/test_faults.py": 250, "tests/integration/test_host_ranks.py": 205,
     "tests/testbed/test_wan_swarm.py": 135, "tests/integration/test_resume.py": 103,
     "tests/integration/test_hostile.py": 103, "tests/integration/test_overlap.py": 82,
     "tests/unit/test_simulator.py": 68, "tests/integration/test_fingerprint.py": 68,
@@ -47,7 +47,7 @@ SECONDS = {
     "tests/testbed/test_wan.py": 10, "tests/unit/test_data.py": 9,
     "tests/unit/test_determinism.py": 8, "tests/unit/test_allocator.py": 8, "tests/unit/test_wire.py": 7,
     "tests/unit/test_signing.py": 6, "tests/unit/test_dialing.py": 4,
-    "tests/unit/test_memory_modes.py": 35, "tests/unit/test_plan.py": 20, "tests/unit/test_inithash.py": 10,
+    "tests/unit/test_memory_modes.py": 16, "tests/unit/test_plan.py": 15, "tests/unit/test_inithash.py": 5,
 }
 
 
@@ -85,7 +85,8 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for i, files in enumerate(streams):
         log = open(base / f"stream{i}.log", "wb")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(base / f"s{i}"), *files]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=12",
+               "--basetemp", str(base / f"s{i}"), *files]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True, env=env), log, i))
     print(f"{len(procs)} pytest processes side by side (tests/streams.py), logs in {base}", flush=True)

@@ -72,7 +72,7 @@ def inner_optimizer(groups: list[dict], inner: InnerConfig, device: torch.device
     if inner.state_kind == "8bit":
         return _adamw_8bit()(groups, bf16_stochastic_round=inner.param_dtype == "bf16", **kw)
     if inner.param_dtype == "bf16":
-        return _torchao()._AdamW(groups, bf16_stochastic_round=True, **kw)
+        return _eager_on_cpu(_torchao()._AdamW)(groups, bf16_stochastic_round=True, **kw)
     # fp32: one fused kernel per step on GPUs; the per-tensor loop on CPU (where foreach buys nothing).
     return torch.optim.AdamW(groups, fused=True if on_cuda else None, foreach=False if not on_cuda else None, **kw)
 
@@ -82,8 +82,7 @@ def _adamw_8bit():
     ao = _torchao()
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    class AdamW8bitFp32State(ao.AdamW8bit):
-        compiled_step = True
+    class AdamW8bitFp32State(_eager_on_cpu(ao.AdamW8bit)):
 
         @staticmethod
         def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int):
@@ -114,6 +113,48 @@ def step(opt: torch.optim.Optimizer) -> None:
             opt.step()
     else:
         opt.step()
+
+
+def _eager_on_cpu(base: type) -> type:
+    """torchao's AdamW ``base``, its step run as it is (not compiled) on CPU parameters.
+
+    torchao compiles each parameter's update (``torch.compile`` of ``single_param_adam``): on a GPU
+    one fused kernel per parameter. On a CPU it builds C++ kernels first, 8-25 s of a process's
+    start for a model of a few tensors, for a step that is memory-bound either way; there the same
+    function runs eagerly, on the same state (the 8-bit state's own operators quantize it)."""
+    from torchao.optim.adam import single_param_adam
+
+    class EagerOnCpu(base):
+        compiled_step = True  # on a GPU (trainer/memory.py ``step``)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            if any(p.device.type != "cpu" for group in self.param_groups for p in group["params"]):
+                return super().step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                                      state.get("max_exp_avg_sq"), group["lr"], group["betas"][0], group["betas"][1],
+                                      group["weight_decay"], group["eps"], self.is_adamw,
+                                      self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+            return loss
+
+    EagerOnCpu.__name__ = EagerOnCpu.__qualname__ = f"{base.__name__}EagerOnCpu"
+    return EagerOnCpu
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

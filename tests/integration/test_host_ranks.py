@@ -9,10 +9,10 @@ left running) without the other host committing anything alone. A checkpoint wit
 missing is refused at start-up.
 
 The hosts train in different memory modes (trainer/memory.py), which are local choices: one
-with its parameters, gradients and AdamW state under FSDP2's CPU offload, one with bf16
-parameters, 8-bit AdamW state and a chunked loss (it resumes from its checkpoint, 8-bit state
-included, and its checkpoint exports), one with bf16 parameters and moments (it joins by
-download); all commit the same rounds on one params_hash.
+with its parameters, gradients and AdamW state under FSDP2's CPU offload (its last checkpoint
+exports), one with bf16 parameters, 8-bit AdamW state and a chunked loss (it resumes from its
+checkpoint, 8-bit state included, and its checkpoint exports), one with bf16 parameters and
+moments (it joins by download); all commit the same rounds on one params_hash.
 """
 
 import json
@@ -116,7 +116,7 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
     ckpt = tmp_path / "b-ckpt"
     b_args = [*HOST, *LOW_BITS, "--min-peers", "2", "--checkpoint-dir", str(ckpt), "--identity",
               str(tmp_path / "b.key")]
-    a = hosts("a", *HOST, *OFFLOADED, "--min-peers", "2")
+    a = hosts("a", *HOST, *OFFLOADED, "--min-peers", "2", "--checkpoint-dir", str(tmp_path / "a-ckpt"))
     b = hosts("b", *b_args, "--bootstrap", a.address())
     for n in (a, b):
         n.wait_round(2, timeout=240)
@@ -193,6 +193,8 @@ def test_two_hosts_of_two_ranks_train_restart_from_their_checkpoint_and_lose_a_r
     for n in (a, c):
         assert n.wait_exit(60) == 0, n.log()[-3000:]
         wait_until(lambda: not any(alive(p) for p in n.known_children), 30, f"{n.name}'s ranks and p2pd to be gone")
+    # The offloaded host's final checkpoint exports as the same model, shard by shard.
+    export_and_check(stopped_checkpoint(tmp_path / "a-ckpt", tmp_path / "a-stopped"), tmp_path / "export-a")
 
 
 def test_two_hosts_of_two_ddp_ranks_train_restart_and_take_a_joiner_on_one_hash(hosts, tmp_path):

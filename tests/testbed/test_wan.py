@@ -57,7 +57,9 @@ def test_ping_rtt_follows_the_hosts_delays():
         netprobe.ping(tb, 0, 1, count=1, timeout=3)  # resolve the neighbour first: ARP crosses the delay too
         rtts = [r for r in netprobe.ping(tb, 0, 1, count=40, interval=0.01) if r is not None]
         assert len(rtts) == 40
-        assert statistics.median(rtts) == pytest.approx(0.1, rel=0.1), rtts
+        # The delay line is a process: on a loaded machine it (and ping) run late, so frames come
+        # late, never early (a suite run beside two pytest processes: median 113.6 ms).
+        assert 0.1 <= statistics.median(rtts) <= 0.13, rtts
         assert min(rtts) >= 0.1, "a frame left the delay line early"
 
 

@@ -26,6 +26,7 @@ EXAMPLES = {
     "GONKA_SWARM_BOOTSTRAP": "/ip4/127.0.0.1/tcp/31337/p2p/QmQ9iYULqGccfwpSsr1QHfCPsgDuPzPaUWKUECkuaHX9vQ",
     "GONKA_NATIVE": "0",
     "GONKA_NATIVE_DIR": "/tmp/gonka-native",
+    "GONKA_CACHE_DIR": "/tmp/gonka-cache",
     "GONKA_TEST_FAULT": "reduce@2",
     "GONKA_TEST_HOSTILE": "abort",
     "GONKA_TEST_STEP_SECONDS": "0.05",

@@ -68,8 +68,8 @@ def test_plan_cli_prints_text_and_json(llama70b, capsys):
                  "--codec", "int8", "--link", "100mbit"]) == 0
     text = capsys.readouterr().out
     assert "70.55B parameters" in text and "<- recommended" in text and "link 100 Mbit/s" in text
-    assert main(["plan", "--model", llama70b, "--gpu", "h200", "--json", "--inner-steps", "100", "--batch-size", "1", "--codec", "int8",
-                 "--seq-len", "4096"]) == 0
+    assert main(["plan", "--model", llama70b, "--gpu", "h200", "--json", "--inner-steps", "100", "--batch-size", "1",
+                 "--codec", "int8", "--seq-len", "4096"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["recommended"] and plan["run"]["inner_steps"] == 100 and plan["hardware"]["gpu_memory"] == 141 * GiB
 
