@@ -24,13 +24,12 @@ from trainer.data import ShardSampler
 from trainer.fingerprint import Fingerprint, run_fingerprint
 from trainer.inithash import init_hash
 from trainer.landing import Landing
-from trainer.loss import install_chunked_loss
-from trainer.memory import inner_optimizer, param_dtype, set_lr
+from trainer.memory import inner_optimizer, place, prepare, set_lr
 from trainer.memory import step as optimizer_step
 from trainer.model import LoadedModel, check_vocab, load_model, lm_loss
 from trainer.outer import OuterOptimizer
-from trainer.parallel import (Ranks, compile_blocks, local_optimizer_state, local_tensors, replica_slices,
-                              reshard_optimizer_state, resharded, shard_model, sync_replicas, wrap_model)
+from trainer.parallel import (Ranks, local_optimizer_state, local_part, reshard_optimizer_state, shard_model,
+                              sync_replicas)
 from trainer.schedule import inner_lr
 
 @dataclass
@@ -54,10 +53,6 @@ def _check_tensors(tensors, like: list[torch.Tensor], key: str) -> None:
     for i, (t, ref) in enumerate(zip(tensors, like)):
         if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
             raise ValueError(f"{key}: tensor {i} must be {ref.dtype} of shape {tuple(ref.shape)}")
-
-
-def _fp32_copies(tensors) -> list[torch.Tensor]:
-    return [t.detach().to("cpu", torch.float32, copy=True) for t in tensors]
 
 
 def _delta(start: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,7 +96,7 @@ class DiLoCoWorker:
         # FSDP ranks shard it as it is built: a rank never holds the whole of a random init.
         sharded = ranks is not None and ranks.mode == "fsdp" and loaded is None
         if loaded is None:
-            loaded = load_model(model, seed, shard=(lambda m: shard_model(self._prepared(m), ranks, self.precision,
+            loaded = load_model(model, seed, shard=(lambda m: shard_model(prepare(m, inner), ranks, self.precision,
                                                                           offload=offload)) if sharded else None)
         self.loaded = loaded
         self.seq_len = data.seq_len or self.loaded.context
@@ -109,22 +104,9 @@ class DiLoCoWorker:
             raise ValueError(f"data.seq_len: {self.seq_len} exceeds the context of {model.source} "
                              f"({self.loaded.context} positions)")
         check_vocab(corpus, self.loaded)
-        # θ from the parameters as loaded (fp32: every memory mode starts from the same θ), then
-        # the local copy in its own dtype (trainer/memory.py): a DDP replica before DDP sees it.
-        dtype = param_dtype(inner)
-        if ranks is not None and ranks.mode == "ddp":
-            module = self._prepared(self.loaded.module)
-            self.global_params = _fp32_copies(replica_slices(module.parameters(), ranks))
-            self.model = wrap_model(module.to(dtype), ranks, self.precision)
-        else:
-            if ranks is None:
-                self.model = self._prepared(self.loaded.module).to(self.device)
-            else:
-                self.model = self.loaded.module if sharded else wrap_model(
-                    self._prepared(self.loaded.module), ranks, self.precision, offload=offload)
-            self.global_params = _fp32_copies(self._local())
-            if dtype != torch.float32:
-                self.model.to(dtype)
+        # θ from the parameters as loaded, then the local copy in its memory mode (trainer/memory.py).
+        self.model, self.global_params = place(self.loaded.module, inner, ranks, self.device, self.precision,
+                                               sharded=sharded)
         momentum_storage, self.mapped = None, None
         if outer.state_dir:  # θ and the momentum in memory-mapped files (trainer/hoststate.py)
             from trainer.hoststate import MappedState, mapped_like, views
@@ -181,15 +163,6 @@ class DiLoCoWorker:
             outer_lr=self.outer_cfg.lr, outer_momentum=self.outer_cfg.momentum, nesterov=self.outer_cfg.nesterov,
             rounds=rounds, layout=self.ranks.layout if sharded else "")
 
-    def _prepared(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The model before it is placed, sharded or wrapped: its chunked loss head and compiled
-        blocks, as the inner loop's settings ask."""
-        if self.inner_cfg.loss_chunk:
-            install_chunked_loss(module, self.inner_cfg.loss_chunk)
-        if self.inner_cfg.compile:
-            compile_blocks(module)
-        return module
-
     # -- inner loop -------------------------------------------------------
 
     @property
@@ -198,13 +171,8 @@ class DiLoCoWorker:
         return self.data_cfg.batch_size * self.seq_len * (self.ranks.world if self.ranks is not None else 1)
 
     def _local(self) -> list[torch.Tensor]:
-        """The local copy's tensors θ pairs with: the whole parameters, or this rank's shards
-        (FSDP2's, or its slices of a DDP replica)."""
-        if self.ranks is not None and self.ranks.mode == "ddp":
-            return replica_slices(self.model.parameters(), self.ranks)
-        if self.ranks is not None:
-            resharded(self.model)
-        return local_tensors(self.model.parameters())
+        """The local copy's tensors θ pairs with (trainer/parallel.py ``local_part``)."""
+        return local_part(self.model, self.ranks)
 
     def _local_written(self) -> None:
         """After this rank wrote its part of the local copy: DDP replicas take every rank's part

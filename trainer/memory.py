@@ -27,6 +27,46 @@ import torch
 from trainer.config import HostConfig, InnerConfig
 
 
+def prepare(module: torch.nn.Module, inner: InnerConfig) -> torch.nn.Module:
+    """The model before it is placed, sharded or wrapped: its chunked loss head and compiled
+    blocks, as the inner loop's settings ask (FSDP2 keeps references to the modules it manages)."""
+    from trainer.loss import install_chunked_loss
+    from trainer.parallel import compile_blocks
+
+    if inner.loss_chunk:
+        install_chunked_loss(module, inner.loss_chunk)
+    if inner.compile:
+        compile_blocks(module)
+    return module
+
+
+def place(module: torch.nn.Module, inner: InnerConfig, ranks, device: torch.device, precision: str, *,
+          sharded: bool) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The local copy on its device (a whole model, FSDP2 shards or a DDP replica) in its memory
+    mode, and θ: fp32 copies of this rank's part of the parameters as loaded, so every mode starts
+    from the same θ. ``sharded``: ``module`` is FSDP2's already (prepared before it was sharded)."""
+    from trainer.parallel import local_part, wrap_model
+
+    dtype = param_dtype(inner)
+    if not sharded:
+        module = prepare(module, inner)
+    if ranks is not None and ranks.mode == "ddp":  # the replica in its dtype before DDP sees it
+        theta = _fp32_copies(local_part(module, ranks))
+        return wrap_model(module.to(dtype), ranks, precision), theta
+    if ranks is None:
+        model = module.to(device)
+    else:
+        model = module if sharded else wrap_model(module, ranks, precision, offload=inner.offload == "all")
+    theta = _fp32_copies(local_part(model, ranks))
+    if dtype != torch.float32:
+        model.to(dtype)
+    return model, theta
+
+
+def _fp32_copies(tensors) -> list[torch.Tensor]:
+    return [t.detach().to("cpu", torch.float32, copy=True) for t in tensors]
+
+
 def check_modes(inner: InnerConfig, host: HostConfig, device: str) -> None:
     """A mode this host cannot run: ValueError naming the key (exit code 2 before anything loads).
     ``device``: cpu or cuda[:N] (auto resolved)."""
@@ -108,7 +148,7 @@ _COMPILED_STEPS = threading.Lock()
 
 def step(opt: torch.optim.Optimizer) -> None:
     """``opt.step()``; one at a time in this process for the optimizers whose step is compiled."""
-    if type(opt).__module__.startswith("torchao") or getattr(opt, "compiled_step", False):
+    if getattr(opt, "compiled_step", False):
         with _COMPILED_STEPS:
             opt.step()
     else:

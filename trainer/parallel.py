@@ -148,6 +148,16 @@ def resharded(module: nn.Module) -> None:
             m.reshard()
 
 
+def local_part(module: nn.Module, ranks: Ranks | None) -> list[torch.Tensor]:
+    """The tensors of ``module`` that θ pairs with: the whole parameters, or this rank's shards
+    (FSDP2's, or its slices of a DDP replica, wrapped or not yet)."""
+    if ranks is not None and ranks.mode == "ddp":
+        return replica_slices(module.parameters(), ranks)
+    if ranks is not None:
+        resharded(module)
+    return local_tensors(module.parameters())
+
+
 def local_tensors(params) -> list[torch.Tensor]:
     """This rank's part of each parameter: the local shard of a sharded one (a view that
     writes through), the parameter itself otherwise."""

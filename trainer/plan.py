@@ -225,7 +225,7 @@ def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
     # back: 2(M-1)/M of the encoded model each way (the butterfly of p2p/group.py).
     share = 2 * (run.peers - 1) / run.peers if run.peers > 1 else 0.0
     sync = {}
-    for name in ("fp32", "bf16", "int8", "int4"):
+    for name in dict.fromkeys(("fp32", "bf16", "int8", "int4", run.codec)):
         wire = get_codec(name).wire_bytes(shape.params) * share
         seconds = wire * 8 / (hw.link_bps * LINK_EFFICIENCY) + ROUND_TRIPS * hw.rtt
         sync[name] = {"bytes_per_peer": wire, "seconds": seconds}
@@ -291,7 +291,7 @@ def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
             if mode.offload != "none":  # AdamW on the host: ~2 x 16 bytes a parameter through memory
                 step += shape.rank_params * 32 / 20e9
             compute = step * run.inner_steps
-            sync_s = sync.get(codec.name, {"seconds": codec.wire_bytes(n) * share * 8 / hw.link_bps})["seconds"]
+            sync_s = sync[codec.name]["seconds"]
             plan.modes.append(ModePlan(
                 mode=mode.name, settings={**mode.settings(), "model.activation_checkpointing": checkpointing,
                                           "inner.loss_chunk": run.loss_chunk},

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.swarmbench_common import NODE_BIN, log_tail, process_tree, stop_all
+from benchmarks.swarmbench_common import NODE_BIN, log_tail, process_tree, rss_bytes, stop_all
 
 MMAP_THRESHOLD = 128 * 1024
 COLUMNS = ["mode", "model", "rank1_mb", "rank0_mb", "plan_mb", "rank1_ratio", "rank0_ratio"]
@@ -49,16 +49,6 @@ def add_arguments(group) -> None:
     group.add_argument("--inner-steps", type=int, help="inner steps per round (default 2)")
     group.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step (default 2)")
     group.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-
-
-def _hwm(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _rank_of(pid: int) -> int | None:
@@ -94,7 +84,7 @@ def measure(mode: str, args) -> dict:
                 ranks = {r: p for p in process_tree(proc.pid) if (r := _rank_of(p)) is not None}
                 listed = time.monotonic()
             for r, p in ranks.items():
-                peaks[r] = max(peaks.get(r, 0), _hwm(p))
+                peaks[r] = max(peaks.get(r, 0), rss_bytes(p, "VmHWM"))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)

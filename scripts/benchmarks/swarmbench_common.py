@@ -171,11 +171,11 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def rss_bytes(pid: int) -> int:
-    """A process's resident memory (VmRSS), 0 once it is gone."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (``VmRSS``; ``VmHWM``: its peak), 0 once it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -27,9 +27,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: its benchmarks package
 
 import torch  # noqa: E402
 
+from benchmarks.swarmbench_common import rss_bytes  # noqa: E402
 from node.metrics import NodeMetrics  # noqa: E402
 from p2p.config import SwarmConfig  # noqa: E402
 from p2p.rounds import RoundProtocol  # noqa: E402
@@ -45,16 +47,6 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class LightPeer:
