@@ -32,7 +32,7 @@ async def catch_up(loop, download: StateDownload, target: int, target_hash: str,
         return 0
     from p2p.codecs import get_codec
 
-    codec = get_codec(loop.swarm.config.codec)
+    codec = get_codec(loop.swarm.config.codec).average  # the averages' format (a sparse codec's own)
     numel = sum(math.prod(s) for s in loop.worker.state_shapes())
     # Worth it while the averages are fewer bytes than the state (8 a parameter): up to 7
     # rounds with int8, 15 with the 4-bit codecs, 1 with fp32.

@@ -166,6 +166,7 @@ class RankFollower:
 
         self.plane = ShardPlane(me=h["peer"], codec=codec, use_feedback=cfg.error_feedback and codec.name != "fp32",
                                 aggregator=cfg.aggregator, weight_cap=float(h["cap"]), hostile=HONEST,
+                                feedback_decay=cfg.error_feedback_decay,
                                 faults=self.faults, dial=dial, metrics=metrics, reject=reject,
                                 offence=lambda peer, reason: None,
                                 deadlines=deadlines, request_timeout=cfg.request_timeout)
@@ -263,7 +264,7 @@ class RankFollower:
             return {}
         self.plane.leave(group)
         if h.get("commit"):
-            if group.in_place:  # what the codec dropped of what we sent, for the next round
+            if group.residual is not None:  # what the round did not deliver of what we sent, for the next one
                 from p2p.exchange import off_loop
 
                 await off_loop(group.write_residual)

@@ -86,6 +86,17 @@ class Codec(abc.ABC):
         """Decode ``numel`` values (into ``out`` if given, and return it); raises CodecError for a
         mis-sized or invalid payload, after which ``out`` holds garbage."""
 
+    @property
+    def average(self) -> Codec:
+        """The codec of an owner's averaged part: this one, but for a sparse codec
+        (p2p/sparsecodec.py), whose owners keep more values of the average than a member sends."""
+        return self
+
+    def support(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor | None:
+        """Which values a valid payload carries (a bool vector), or None for all of them: what
+        error feedback counts as delivered of a member's input (p2p/contribution.py)."""
+        return None
+
     def check(self, data: bytes | bytearray | memoryview, numel: int) -> None:
         """Raise CodecError where ``decode`` would, keeping no values: a payload that passes
         decodes later without error (what a member holds of a round's average until it

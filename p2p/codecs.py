@@ -1,4 +1,4 @@
-"""Wire codecs for pseudo-gradients by name: fp32, fp16, bf16, int8, int4 and fp4.
+"""Wire codecs for pseudo-gradients by name: fp32, fp16, bf16, int8, int4, fp4 and sparse.
 
 The butterfly all-reduce sends each part of a flat fp32 vector once per hop;
 these codecs shrink those bytes. What every codec promises (decoding is a pure
@@ -14,13 +14,18 @@ the round, so ``wire_bytes(numel)`` is the exact payload size):
 - ``fp32`` / ``fp16`` / ``bf16``: ``numel`` values of that type.
 - ``int8``, ``int4``, ``fp4`` (and ``-b<block size>`` variants): see
   p2p/blockcodecs.py.
+- ``sparse`` (and its variants, p2p/sparsename.py): chunked top-k with packed
+  indices and 2-8-bit values, and a format of its own for the averaged part:
+  see p2p/sparsecodec.py.
 """
 
 from __future__ import annotations
 
 import torch
 
+from p2p import sparsename
 from p2p.blockcodecs import FP4Codec, Int4Codec, Int8Codec
+from p2p.sparsecodec import SparseCodec
 from p2p.codec import Codec, CodecError, all_finite, check_input, check_vector, checked_payload
 
 __all__ = ["CODECS", "FloatCodec", "get_codec"]
@@ -75,11 +80,23 @@ class FloatCodec(Codec):
 _ALL = (FloatCodec("fp32", torch.float32), FloatCodec("fp16", torch.float16), FloatCodec("bf16", torch.bfloat16),
         Int8Codec(), Int4Codec(), FP4Codec())
 CODECS: dict[str, Codec] = {codec.name: codec for codec in _ALL}
+_SPARSE: dict[str, SparseCodec] = {}  # by canonical name, built when first asked for
 
 
 def get_codec(name: str) -> Codec:
-    """The registered codec called ``name``; ValueError naming the choices otherwise."""
+    """The registered codec called ``name``, or the sparse codec a ``sparse...`` name describes
+    (p2p/sparsename.py); ValueError naming the choices otherwise."""
+    codec = CODECS.get(name)
+    if codec is not None:
+        return codec
     try:
-        return CODECS[name]
-    except KeyError:
-        raise ValueError(f"swarm.codec: unknown codec {name!r} (choose from {', '.join(CODECS)})") from None
+        settings = sparsename.parse(name)
+    except ValueError as e:
+        raise ValueError(f"swarm.codec: {e}") from None
+    if settings is None:
+        raise ValueError(f"swarm.codec: unknown codec {name!r} (choose from {', '.join(CODECS)}, "
+                         f"sparse[-c..][-k..][-b..][-ak..][-ab..])") from None
+    canonical = sparsename.canonical(settings)
+    if canonical not in _SPARSE:
+        _SPARSE[canonical] = SparseCodec(settings["c"], settings["k"], settings["b"], settings["ak"], settings["ab"])
+    return _SPARSE[canonical]

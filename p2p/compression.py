@@ -249,13 +249,18 @@ class CommittedAverage(Sequence[torch.Tensor]):
 
 class CompressingMember:
     """Simulator averager: what the swarm's codec does to one member's round, around an
-    exact in-process average of the k members (``trainer.averaging.InProcessGroup``)."""
+    exact in-process average of the k members (``trainer.averaging.InProcessGroup``).
 
-    def __init__(self, inner, codec: Codec, members: int, *, feedback: bool = True) -> None:
+    As in the swarm: the member sends each part encoded with ``codec``, the owners encode the
+    average with ``codec.average``, and error feedback keeps what was not delivered (what the
+    codec dropped, and what the average dropped: ``Codec.support``) times ``decay``."""
+
+    def __init__(self, inner, codec: Codec, members: int, *, feedback: bool = True, decay: float = 1.0) -> None:
         self.inner = inner
         self.codec = codec
         self.members = members
         self.feedback = feedback
+        self.decay = decay
         self._ef: ErrorFeedback | None = None
 
     async def average(self, tensors: list[torch.Tensor], weight: float, round: int) -> list[torch.Tensor] | None:
@@ -268,8 +273,14 @@ class CompressingMember:
         averaged = await self.inner.average(unflatten(sent, tensors), weight, round)
         if averaged is None:
             return None
-        if self._ef is not None:
-            self._ef.update(compensated, sent)
         # The owners' re-encoding of each averaged part, decoded by everyone.
-        _, received = encode_parts(self.codec, flatten(averaged), bounds)
+        average = self.codec.average
+        payloads, received = encode_parts(average, flatten(averaged), bounds)
+        if self._ef is not None:
+            if average is not self.codec:  # what the average dropped was delivered by nobody
+                kept = torch.cat([average.support(p, end - start) for p, (start, end) in zip(payloads, bounds)])
+                sent.masked_fill_(~kept, 0.0)
+            self._ef.update(compensated, sent)
+            if self.decay != 1.0:
+                self._ef.residual.mul_(self.decay)
         return unflatten(received, tensors)

@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from p2p import sparsename
 from trainer.config import require
 
 
@@ -87,10 +88,16 @@ class SwarmConfig:
     # Seconds to wait for any single network call (connect, one message).
     request_timeout: float = 20.0
     # Codec of pseudo-gradients on the wire: fp32 (lossless), fp16, bf16, int8,
-    # int4 or fp4 (4-bit, FP4 E3M0). Every peer of a run must use the same one.
+    # int4, fp4 (4-bit, FP4 E3M0) or sparse (top 64 of 4096 values at 2 bits;
+    # variants such as sparse-k128: p2p/sparsename.py). Every peer of a run must
+    # use the same one.
     codec: str = "fp32"
     # Add back next round what a lossy codec dropped (error feedback).
     error_feedback: bool = True
+    # What error feedback keeps is multiplied by this at each commit (SparseLoCo's
+    # beta: with outer.momentum = 0 the decayed residual takes the role of the
+    # outer momentum); 1 keeps all of it.
+    error_feedback_decay: float = 1.0
     # Size of the pieces a joining peer fetches from donors in parallel
     # (each verified on arrival); smaller spreads a small state over more donors.
     state_chunk_bytes: int = 4 * 1024 * 1024
@@ -131,8 +138,14 @@ class SwarmConfig:
         for addr in self.announce:
             require("/tcp/0/" not in addr + "/", "swarm.announce", f"needs an explicit port, not 0: {addr!r}")
         require(self.min_peers >= 1, "swarm.min_peers", f"must be >= 1 (got {self.min_peers})")
-        require(self.codec in CODEC_NAMES, "swarm.codec",
-                f"must be one of {', '.join(CODEC_NAMES)} (got {self.codec!r})")
+        try:
+            sparse = sparsename.parse(self.codec)
+        except ValueError as e:
+            raise ValueError(f"swarm.codec: {e}") from None
+        require(self.codec in CODEC_NAMES or sparse is not None, "swarm.codec",
+                f"must be one of {', '.join(CODEC_NAMES)} or sparse[-c..][-k..][-b..][-ak..][-ab..] (got {self.codec!r})")
+        require(0 < self.error_feedback_decay <= 1, "swarm.error_feedback_decay",
+                f"must be in (0, 1] (got {self.error_feedback_decay})")
         require(MIN_STATE_CHUNK_BYTES <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
                 f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
         require(0 <= self.catchup_rounds <= 64, "swarm.catchup_rounds",

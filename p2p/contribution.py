@@ -103,14 +103,29 @@ class Contribution:
         """What the receivers decode of our contribution to [start, end) of our own part."""
         return self.sent[start - self._sent_base : end - self._sent_base]
 
-    def write_residual(self, pieces) -> None:
-        """In place, once the round committed: the next residual over ``flat``, piece by piece
-        (``pieces``: every part's (start, end) pieces) what the codec dropped of what we sent
-        (each piece encoded again, the bytes we sent)."""
-        assert self.in_place
-        for part in pieces:
-            for start, end in part:
-                values = self.flat[start:end]
-                decoded = _decode_scratch(end - start)
-                self.codec.encode(values, decoded)
-                values.sub_(decoded)
+    def write_residual(self, pieces, support=None, decay: float = 1.0) -> None:
+        """Once the round committed: the next residual, piece by piece (``pieces``: every part's
+        (start, end) pieces), what the round did not deliver of what we sent, times ``decay``.
+
+        In place it is written over ``flat``: each piece encoded again (the bytes we sent),
+        what the codec dropped. Otherwise it was written as the pieces were encoded, and only
+        the rest is done here. ``support(j, k)``: which values the averaged piece k of part j
+        kept (a sparse codec's owner keeps fewer than its inputs carry), or None for all; a
+        value the average dropped was delivered by nobody, so all of it stays ours, as if it
+        had not been sent."""
+        if self.residual is None:
+            return
+        for j, part in enumerate(pieces):
+            for k, (start, end) in enumerate(part):
+                values, kept = self.flat[start:end], None if support is None else support(j, k)
+                if self.in_place:
+                    decoded = _decode_scratch(end - start)
+                    self.codec.encode(values, decoded)
+                    if kept is not None:
+                        decoded.masked_fill_(~kept, 0.0)
+                    values.sub_(decoded)
+                elif kept is not None:
+                    residual = self.residual[start:end]
+                    torch.where(kept, residual, values, out=residual)
+                if decay != 1.0:
+                    self.residual[start:end].mul_(decay)

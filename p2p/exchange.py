@@ -75,7 +75,7 @@ class PartExchange:
     async def _receive_average(self, group: Group, j: int, lane: int, reader, deadline: float) -> None:
         """Member j's averaged pieces of its part on ``lane``, into our result; count whatever is malformed."""
         for k in group.lane_pieces(j, lane):
-            expected = group.piece_bytes(j, k)
+            expected = group.average_bytes(j, k)
             try:
                 # The owner's header declares every member's input (p2p/digests.py, 24 bytes each).
                 header, payload = await self._read_payload(reader, expected, deadline,

@@ -78,6 +78,8 @@ class Group:
     # How the owner combines its part's pieces (p2p/aggregate.py) and the cap on a weight (0: relative).
     aggregator: str = "mean"
     weight_cap: float = 0.0
+    # Error feedback's residual is multiplied by this when a round commits (SparseLoCo's beta).
+    feedback_decay: float = 1.0
     hostile: Behaviour = HONEST  # test-only lies of this member (p2p/hostile.py)
     lanes_per_part: int = LANES  # the group's lanes (``lanes``), chosen by its leader (``lanes_for_rtt``)
     # The members that own a part (sorted; None: all), chosen by the leader, who is the first of
@@ -171,14 +173,20 @@ class Group:
         return range(lane, len(self.pieces[index]), self.lanes(index))
 
     def piece_bytes(self, index: int, k: int) -> int:
+        """Size of a member's encoded piece ``k`` of part ``index``."""
         start, end = self.pieces[index][k]
         return self.codec.wire_bytes(end - start)
 
-    def _check(self, index: int, k: int, data: bytes) -> None:
-        """Refuse averaged piece ``k`` of part ``index`` if it would not decode (``Codec.check``)."""
+    def average_bytes(self, index: int, k: int) -> int:
+        """Size of the owner's encoded average of piece ``k`` of part ``index`` (``Codec.average``)."""
+        start, end = self.pieces[index][k]
+        return self.codec.average.wire_bytes(end - start)
+
+    def _check(self, index: int, k: int, data: bytes, codec: Codec) -> None:
+        """Refuse piece ``k`` of part ``index`` if it would not decode with ``codec`` (``Codec.check``)."""
         start, end = self.pieces[index][k]
         try:
-            self.codec.check(data, end - start)
+            codec.check(data, end - start)
         except CodecError as e:
             raise RoundFailed("bad_payload", e.reason) from None
 
@@ -201,8 +209,16 @@ class Group:
         return self.mine.own_input(start, end, payload)
 
     def write_residual(self) -> None:
-        """In place, once the round committed: the next residual over ``flat`` (``Contribution.write_residual``)."""
-        self.mine.write_residual(self.pieces)
+        """Once the round committed, before ``committed_average``: the next residual, over ``flat``
+        in place (``Contribution.write_residual``): what the codec dropped of what we sent, and
+        what the averaged pieces dropped (a sparse codec's ``support``), times ``feedback_decay``."""
+        average = self.codec.average
+
+        def support(j: int, k: int) -> torch.Tensor | None:
+            start, end = self.pieces[j][k]
+            return average.support(self._averaged[j][k], end - start)
+
+        self.mine.write_residual(self.pieces, support if average is not self.codec else None, self.feedback_decay)
 
     def sent_values(self, start: int, end: int) -> torch.Tensor:
         return self.mine.sent_values(start, end)
@@ -217,7 +233,7 @@ class Group:
         (``Codec.check``), and kept as it came (its hash kept for our declaration): decoded only
         when the piece is averaged, so inputs that wait for the others' hold their wire size
         (1 byte per value for int8) instead of 4."""
-        self._check(self.index, k, data)
+        self._check(self.index, k, data, self.codec)
         if sender is not None:
             self.part.hashed(k, sender, data)
         return data
@@ -240,7 +256,7 @@ class Group:
         data = self.aggregate([(weights[i], inputs[i]) for i in range(len(self.members))])
         if self.hostile.alter_slice:  # test-only: an owner that returns a finite but wrong average
             start, end = self.pieces[self.index][k]
-            data = self.codec.encode(self.codec.decode(data, end - start).neg_().mul_(10.0))
+            data = self.codec.average.encode(self.codec.average.decode(data, end - start).neg_().mul_(10.0))
         declared = self.declaration(k)
         self.place_piece(self.index, k, data, declared)
         self.part.declared[k] = declared
@@ -249,14 +265,14 @@ class Group:
     def aggregate(self, contributions: list[tuple[float, torch.Tensor]]) -> bytes:
         """The owner's combination of one piece's contributions, encoded once."""
         try:
-            return average_part(self.codec, contributions, self.aggregator)
+            return average_part(self.codec.average, contributions, self.aggregator)
         except CodecError as e:  # an average of finite values that overflowed the codec
             raise RoundFailed("bad_average", e.reason) from None
 
     def place_piece(self, index: int, k: int, data: bytes, declared: bytes = b"") -> None:
         """Store piece ``k`` of the average of part ``index`` (from its owner, or our own), with the
         owner's declaration of its inputs."""
-        self._check(index, k, data)
+        self._check(index, k, data, self.codec.average)
         self._averaged[index][k] = data
         self._placed[index][k] = piece_digest(data, declared)
         self.audit.place(index, k, declared)
@@ -273,7 +289,7 @@ class Group:
         pieces = [bounds for part in self.pieces for bounds in part]
         encoded = [d for part in self._averaged for d in part]
         self._averaged = [[None] * len(p) for p in self.pieces]
-        return CommittedAverage(self.codec, pieces, encoded, like, out)
+        return CommittedAverage(self.codec.average, pieces, encoded, like, out)
 
     # ---- waiting on the exchange -------------------------------------------------
 

@@ -109,6 +109,7 @@ class RoundProtocol:
         self.plane = ShardPlane(me=swarm.peer_id, codec=self.codec,
                                 use_feedback=cfg.error_feedback and self.codec.name != "fp32",
                                 aggregator=cfg.aggregator, weight_cap=weight_cap, hostile=hostile, faults=faults,
+                                feedback_decay=cfg.error_feedback_decay,
                                 dial=self.dial, metrics=metrics, reject=swarm.reject, offence=self.conduct.offence,
                                 deadlines=self.deadlines, request_timeout=cfg.request_timeout)
         # The other ranks' shards of a multi-rank host (node/ranks.py), reduced in the same groups.
@@ -229,7 +230,7 @@ class RoundProtocol:
             self._leave(group)
         blamed = self.conduct.judge(group)
         seconds = time.monotonic() - gathered
-        if group.in_place:  # what the codec dropped of what we sent, for the next round
+        if group.residual is not None:  # what the round did not deliver of what we sent, for the next one
             await asyncio.shield(off_loop(group.write_residual))
         self.plane.committed(group)
         if self.shards is not None:

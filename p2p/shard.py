@@ -173,6 +173,7 @@ class ShardPlane:
     requests of its all-reduce and audit (in and out)."""
 
     def __init__(self, *, me: str, codec, use_feedback: bool, aggregator: str, weight_cap: float, hostile,
+                 feedback_decay: float = 1.0,
                  dial: Dialer, metrics, reject, offence, deadlines, request_timeout: float,
                  faults: Faults = NO_FAULTS) -> None:
         """``hostile`` and ``faults``: test hooks (p2p/hostile.py, p2p/faults.py), honest and none
@@ -182,6 +183,7 @@ class ShardPlane:
         self.use_feedback = use_feedback
         self.aggregator = aggregator
         self.weight_cap = weight_cap
+        self.feedback_decay = feedback_decay
         self.hostile = hostile
         self.dial = dial
         self.metrics = metrics
@@ -305,7 +307,8 @@ class ShardPlane:
         in_place = residual is not None and residual is flat
         sent = None if self.codec.exact or in_place else self.buffer("sent", end - start)  # our own part only
         return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
-                     aggregator=self.aggregator, weight_cap=self.weight_cap, hostile=self.hostile, lanes_per_part=lanes,
+                     aggregator=self.aggregator, weight_cap=self.weight_cap, feedback_decay=self.feedback_decay,
+                     hostile=self.hostile, lanes_per_part=lanes,
                      owners=owners)
 
     def install(self, group: Group) -> None:
