@@ -256,7 +256,10 @@ class Node:
         self.worker = await self._start_worker(corpus, device, checkpoint)
         # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.
         rules = f"agg={cfg.swarm.aggregator},cap={int(weight_cap) if weight_cap else 'relative'}"
-        fingerprint = await self.compute(self.worker.fingerprint, cfg.swarm.codec, rules)
+        from p2p.codecs import get_codec
+
+        codec = get_codec(cfg.swarm.codec).name  # canonical: sparse-c4096 and sparse are one format
+        fingerprint = await self.compute(self.worker.fingerprint, codec, rules)
         genesis = self.worker.init_hash  # θ as built, before any checkpoint was loaded
         if checkpoint is not None:
             self.checkpoints.check_fingerprint(checkpoint, fingerprint)

@@ -201,7 +201,16 @@ class Group:
             raise RoundFailed(e.reason) from None
         if index == self.index:  # our own entry of our own declaration (the others' we check if audited)
             self.part.hashed(k, self.index, payload)
-        return payload
+        return self._forged(index, end - start, payload)
+
+    def _forged(self, index: int, numel: int, payload: bytes) -> bytes:
+        """Test-only (p2p/hostile.py ``sparse=``): what a liar sends the owners of other parts
+        instead of ``payload``, the same to an auditor."""
+        if not self.hostile.sparse or index == self.index or self.codec is self.codec.average:
+            return payload
+        from p2p.hostile import forge_sparse
+
+        return forge_sparse(self.codec, payload, numel, self.hostile.sparse)
 
     def own_input(self, k: int, payload: bytes | None = None) -> torch.Tensor | bytes:
         """Our input to the average of piece ``k`` of our own part (``Contribution.own_input``)."""
@@ -226,7 +235,7 @@ class Group:
     def contribution(self, index: int, k: int) -> bytes:
         """Our encoded piece ``k`` of part ``index`` again, for an auditor (``Contribution.again``)."""
         start, end = self.pieces[index][k]
-        return self.mine.again(start, end)
+        return self._forged(index, end - start, self.mine.again(start, end))
 
     def check_piece(self, k: int, data: bytes, sender: int | None = None) -> bytes:
         """A peer's contribution to piece ``k`` of our part, refused here if it would not decode

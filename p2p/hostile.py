@@ -11,7 +11,9 @@ and the attack script do). Kinds:
 - ``alter_slice``: as a part owner, return a finite but wrong average;
 - ``fake_state``: announce a round 1000 ahead with a state of its own (zeros) and serve it;
 - ``fake_states``: the same with another state (another hash) every round;
-- ``flood``: open streams to every peer and leave them open.
+- ``flood``: open streams to every peer and leave them open;
+- ``sparse=pile|duplicate|max`` (a sparse codec's freedom): every index of a chunk on one
+  coordinate, a repeated index, or the largest values the format allows (legal bytes).
 
 The hooks sit where an attacker would act, in the node's own code. The variable is
 read once, at start-up (``from_environ``, called by ``node.config.load_injection``), into
@@ -29,6 +31,7 @@ from typing import Awaitable, Callable, Mapping
 ENV = "GONKA_TEST_HOSTILE"
 _FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "fake_states", "flood")
 _VALUES = ("scale", "fill", "weight")
+_CHOICES = {"sparse": ("pile", "duplicate", "max")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,7 @@ class Behaviour:
     fake_state: bool = False
     fake_states: bool = False
     flood: bool = False
+    sparse: str | None = None
 
     @property
     def fakes_state(self) -> bool:
@@ -62,13 +66,16 @@ def parse(spec: str) -> Behaviour:
         name, eq, value = item.partition("=")
         if name in _FLAGS and not eq:
             fields[name] = True
+        elif name in _CHOICES and value in _CHOICES[name]:
+            fields[name] = value
         elif name in _VALUES and eq:
             try:
                 fields[name] = float(value)
             except ValueError:
                 raise ValueError(f"{ENV}: {name} needs a number (got {value!r})") from None
         else:
-            raise ValueError(f"{ENV}: unknown behaviour {item!r} (known: {', '.join(_FLAGS + _VALUES)})")
+            choices = ", ".join(f"{key}={'|'.join(values)}" for key, values in _CHOICES.items())
+            raise ValueError(f"{ENV}: unknown behaviour {item!r} (known: {', '.join(_FLAGS + _VALUES)}, {choices})")
     return Behaviour(**fields)
 
 
@@ -88,6 +95,33 @@ def corrupt(flat, b: Behaviour) -> None:
         flat.mul_(b.scale)
     if b.fill is not None:
         flat.fill_(b.fill)
+
+
+def forge_sparse(codec, payload: bytes, numel: int, kind: str) -> bytes:
+    """A sparse codec's payload rewritten as ``sparse=KIND`` sends it: ``pile`` (every index of
+    a chunk 0), ``duplicate`` (each chunk's second index equal to its first) or ``max`` (lo and
+    step at the format's limit, every value at the top level: legal, and as large as legal)."""
+    import torch
+
+    from p2p.sparsecodec import SCALE_LIMIT, _pack, _unpack
+
+    chunks, count, index_bytes, _ = codec._layout(numel)
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    scales = raw[: 8 * chunks].view(torch.float32).clone()
+    indices = _unpack(raw[8 * chunks : 8 * chunks + index_bytes], count, codec.index_bits)
+    codes = _unpack(raw[8 * chunks + index_bytes :], count, codec.bits)
+    per_chunk = [codec.kept(min(codec.chunk, numel - c * codec.chunk)) for c in range(chunks)]
+    firsts = torch.tensor([0, *per_chunk[:-1]]).cumsum(0)
+    if kind == "pile":
+        indices.zero_()
+    elif kind == "duplicate":
+        seconds = firsts[torch.tensor(per_chunk) > 1]
+        indices[seconds + 1] = indices[seconds]
+    elif kind == "max":
+        scales.fill_(SCALE_LIMIT)
+        codes.fill_(codec.levels)
+    return b"".join([scales.view(torch.uint8).numpy().tobytes(), _pack(indices, codec.index_bits).numpy().tobytes(),
+                     _pack(codes, codec.bits).numpy().tobytes()])
 
 
 async def flood(peers: Callable[[], Awaitable[dict]], open_stream: Callable[[str, str], Awaitable]) -> None:

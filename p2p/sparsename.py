@@ -8,7 +8,8 @@ differs from it is a ``-<key><number>`` suffix, in this order:
   log2(chunk) bits.
 - ``k``: values each member keeps per chunk (default 64: 1.56%).
 - ``b``: bits per kept value, 2 to 8 (default 2).
-- ``ak``: values the owner keeps per chunk of the averaged part (default 128).
+- ``ak``: values the owner keeps per chunk of the averaged part (default twice ``k``, at
+  most the chunk).
 - ``ab``: bits per kept value of the averaged part (default 4).
 
 ``sparse-k128`` keeps 3.1%; ``sparse-k32-b3`` keeps 0.78% at 3 bits. ``canonical`` writes the
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-DEFAULTS = {"c": 4096, "k": 64, "b": 2, "ak": 128, "ab": 4}
+DEFAULTS = {"c": 4096, "k": 64, "b": 2, "ak": 0, "ab": 4}  # ak 0: twice k, at most the chunk
 _PART = re.compile(r"-(ak|ab|c|k|b)(\d{1,6})")
 
 
@@ -40,6 +41,8 @@ def parse(name: str) -> dict[str, int] | None:
         settings[key] = int(match.group(2))
         rest = rest[match.end():]
     chunk = settings["c"]
+    if "ak" not in seen:
+        settings["ak"] = min(2 * settings["k"], chunk)
     if chunk < 64 or chunk > 65536 or chunk & (chunk - 1):
         raise ValueError(f"sparse codec name {name!r}: chunk must be a power of two from 64 to 65536")
     for key in ("k", "ak"):
@@ -53,4 +56,5 @@ def parse(name: str) -> dict[str, int] | None:
 
 def canonical(settings: dict[str, int]) -> str:
     """The name of these settings: ``sparse`` and each setting that is not the default."""
-    return "sparse" + "".join(f"-{key}{settings[key]}" for key in DEFAULTS if settings[key] != DEFAULTS[key])
+    default = dict(DEFAULTS, ak=min(2 * settings["k"], settings["c"]))
+    return "sparse" + "".join(f"-{key}{settings[key]}" for key in DEFAULTS if settings[key] != default[key])

@@ -222,11 +222,13 @@ def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
     act_bytes = 2.0 if gpu_side else 4.0  # bf16 compute on GPUs, fp32 on CPUs (inner.precision auto)
     tokens = run.batch_size * run.seq_len
     # Sync: each peer sends its encoded vector's parts to their owners and the averaged parts
-    # back: 2(M-1)/M of the encoded model each way (the butterfly of p2p/group.py).
-    share = 2 * (run.peers - 1) / run.peers if run.peers > 1 else 0.0
+    # back: (M-1)/M of the encoded model each way (the butterfly of p2p/group.py; a sparse
+    # codec's average has a format of its own).
+    share = (run.peers - 1) / run.peers if run.peers > 1 else 0.0
     sync = {}
     for name in dict.fromkeys(("fp32", "bf16", "int8", "int4", run.codec)):
-        wire = get_codec(name).wire_bytes(shape.params) * share
+        c = get_codec(name)
+        wire = (c.wire_bytes(shape.params) + c.average.wire_bytes(shape.params)) * share
         seconds = wire * 8 / (hw.link_bps * LINK_EFFICIENCY) + ROUND_TRIPS * hw.rtt
         sync[name] = {"bytes_per_peer": wire, "seconds": seconds}
     codec = get_codec(run.codec)
@@ -268,11 +270,11 @@ def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
                 host["outer_state"] = 3.0 * n  # measured: docs/benchmarks.md#outerstate
             else:
                 host["outer_state"] = n * (4 + 4 + (4 if lossy else 0))
-            host["round_average"] = codec.wire_bytes(n)
+            host["round_average"] = codec.average.wire_bytes(n)
             if world > 1:  # each rank's encoded Δ, handed to rank 0 for the host's exchange
                 host["round_inputs"] = codec.wire_bytes(n)
             # Kept for joiners' catch-up by single-rank hosts (multi-rank hosts keep none).
-            host["kept_averages"] = run.catchup_rounds * codec.wire_bytes(n) if world == 1 else 0.0
+            host["kept_averages"] = run.catchup_rounds * codec.average.wire_bytes(n) if world == 1 else 0.0
             if mode.offload == "all":
                 host["offloaded"] = n * (mode.param_bytes * 2 + mode.state_bytes)
             elif mode.offload == "optimizer":

@@ -18,7 +18,7 @@ import importlib
 from typing import Any, Callable
 
 NAMES = ("aggregate", "allreduce", "codecs", "convergence", "dataloader", "gpu", "hostranks", "join", "killed",
-         "memory", "outerstate", "overhead", "planfit", "prepare", "scale", "trust", "utilization")
+         "memory", "outerstate", "overhead", "planfit", "prepare", "scale", "sweep", "trust", "utilization")
 
 
 def _lazy(name: str, attr: str) -> Callable[..., Any]:

@@ -244,3 +244,40 @@ async def test_an_aborted_attempt_leaves_a_donated_vector_and_the_commit_writes_
         await asyncio.gather(task, return_exceptions=True)
     finally:
         await stop_peers(peers)
+
+
+async def test_sparse_payloads_a_liar_forges_are_refused_or_clipped():
+    # The sparse format's own freedom: legal values as large as the format allows are clipped
+    # like any large input; every index of a chunk on one coordinate (or any repeated index) is
+    # refused, counted, and the honest members commit without the liar.
+    peers = await start_peers(4, min_peers=3, codec="sparse-c64-k8", aggregator="clip", **STEADY)
+    try:
+        rounds = [r for _, r, _ in peers]
+        await settle(peers)
+        inputs = honest_inputs(4, 1024)
+        rounds[1].hostile = Behaviour(sparse="max")
+        results = await attempt(rounds, [x.clone() for x in inputs])
+        assert all(res is not None for res in results), [r.last for r in rounds]
+        assert all(len(r.last.members) == 4 and torch.equal(res[0], results[0][0]) for r, res in zip(rounds, results))
+        honest = torch.stack([x for i, x in enumerate(inputs) if i != 1])
+        scale = max(float(x.norm()) for x in honest)
+        assert torch.isfinite(results[0][0]).all()
+        assert float((results[0][0] - honest.mean(0)).norm()) <= 0.7 * scale
+
+        for s, _, _ in peers:
+            s.announce(state="training", round=1)
+        await settle(peers)
+        liar = peers[1][0].peer_id
+        rounds[1].hostile = Behaviour(sparse="pile")
+        honest_rounds = [rounds[0], rounds[2], rounds[3]]
+        liar_task = asyncio.ensure_future(keep_averaging(rounds[1], inputs[1], at=lambda: 1))
+        await seen_ready(peers, liar, round=1)
+        results, outcomes = await until_committed(honest_rounds, [inputs[0], inputs[2], inputs[3]], round=1)
+        assert all(torch.equal(res[0], results[0][0]) for res in results)
+        assert all(liar not in r.last.members for r in honest_rounds), story(outcomes)
+        assert sum(rejected(m, "bad_index") + rejected(m, "bad_payload") for i, (_, _, m) in enumerate(peers)
+                   if i != 1) >= 1
+        liar_task.cancel()
+        await asyncio.gather(liar_task, return_exceptions=True)
+    finally:
+        await stop_peers(peers)

@@ -99,7 +99,7 @@ def by_member(peers, values):
     return [v for _, v in sorted(zip([s.peer_id for s, _, _ in peers], values))]
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int8", "fp4"])
+@pytest.mark.parametrize("codec", ["fp32", "int8", "fp4", "sparse-c64-k4"])
 async def test_pieces_average_exactly_as_whole_parts_would(codec, monkeypatch):
     # Small pieces, so every part streams as several of them, the last one short.
     monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
@@ -121,16 +121,20 @@ async def test_pieces_average_exactly_as_whole_parts_would(codec, monkeypatch):
         for s, e in bounds:
             sent = [(w, c.decode(c.encode(x[s:e].contiguous()), e - s))
                     for x, w in by_member(peers, list(zip(inputs, weights)))]
-            expected[s:e] = c.decode(average_part(c, sent), e - s)
+            expected[s:e] = c.average.decode(average_part(c.average, sent), e - s)  # a sparse codec's own
         for res in results:
             assert torch.equal(res[0], expected)
+        # What the average kept (a sparse codec's owners keep fewer values than the inputs carry).
+        kept = expected != 0 if codec.startswith("sparse") else torch.ones(numel, dtype=torch.bool)
+        assert not codec.startswith("sparse") or 0 < int(kept.sum()) <= numel // 7
         for (_, r, _), x in zip(peers, inputs):
             if codec == "fp32":
                 assert r.feedback is None
                 continue
-            # Error feedback kept exactly what the receivers did not get of this member's input.
+            # Error feedback kept exactly what the receivers did not get of this member's input:
+            # what the codec dropped, and all of what the average did not keep.
             sent = torch.cat([c.decode(c.encode(x[s:e].contiguous()), e - s) for s, e in bounds])
-            assert torch.equal(r.feedback.residual, x - sent)
+            assert torch.equal(r.feedback.residual, torch.where(kept, x - sent, x))
     finally:
         await stop_peers(peers)
 
