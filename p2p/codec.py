@@ -69,6 +69,9 @@ class Codec(abc.ABC):
     align: int = 1
     # True if ``decode(encode(x))`` is ``x`` bit for bit (fp32): nothing to feed back.
     exact: bool = False
+    # A round's pieces hold this many times the base number of values (p2p/group.py PIECE_ELEMS):
+    # a codec of few bytes per value streams pieces of a useful size (the sparse codec's 16).
+    piece_factor: int = 1
 
     @abc.abstractmethod
     def wire_bytes(self, numel: int) -> int:

@@ -102,7 +102,7 @@ class SwarmAverage:
         self.aggregator = aggregator
         self.owns = owns
         self.codec = codec if codec is not None else get_codec("fp32")
-        self.piece_elems = piece_elems
+        self.piece_elems = piece_elems * self.codec.piece_factor  # as p2p/group.py cuts them
 
     def __call__(self, contributions: list[tuple[list[torch.Tensor], float]]) -> list[torch.Tensor]:
         like = contributions[0][0]

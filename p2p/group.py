@@ -107,7 +107,8 @@ class Group:
         self.owns = [m in owners for m in self.members]  # per member: whether it owns a part
         self.bounds = owned_bounds(self.flat.numel(), self.owns)
         # pieces[j][k]: the elements of piece k of part j, the same on every member.
-        self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS) for start, end in self.bounds]
+        self.pieces = [piece_bounds(start, end, self.codec, PIECE_ELEMS * self.codec.piece_factor)
+                       for start, end in self.bounds]
         # Our vector and what encoding it leaves (p2p/contribution.py); ``sent`` is the buffer it uses.
         self.mine = Contribution(self.flat, self.codec, self.residual, self.sent, self.bounds[self.index])
         self.sent = self.mine.sent

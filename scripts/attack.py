@@ -60,6 +60,8 @@ HEARTBEAT, REQUEST, ROUND, GATHER = 1.0, 5.0, 20.0, 20.0
 BOUND = ROUND + max(3 * HEARTBEAT, REQUEST) + ROUND + 30
 # One hostile member of each kind p2p/hostile.py knows, with the values of the first trial.
 ALL = ("scale=-1000", "fill=1e30", "weight=1e30", "abort", "silent_leader", "alter_slice", "fake_state", "flood")
+# With a sparse codec (--codec sparse...), 'all' adds the kinds that use its format's freedom.
+SPARSE = ("sparse=pile", "sparse=duplicate", "sparse=max")
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,13 +78,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-peers", type=int, default=3, help="--min-peers of every peer (default 3)")
     p.add_argument("--seed", type=int, default=0, help="--seed of every peer (model and data order)")
     p.add_argument("--no-clean", action="store_true", help="skip the clean run (no eval-loss comparison)")
+    p.add_argument("--codec", default="fp32", help="swarm.codec of every peer (default fp32); with a sparse codec "
+                   f"'--kinds all' adds {' '.join(SPARSE)}")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further setting of every peer (e.g. outer.momentum=0); repeatable")
     p.add_argument("--out", default="", help="output directory (default runs/attack-<time>)")
     a = p.parse_args()
+    try:
+        from p2p.codecs import get_codec
+
+        get_codec(a.codec)
+    except ValueError as e:
+        p.error(f"--codec: {e}")
     if a.honest < 3 or a.rounds < 1 or a.duration <= 0 or a.inner_steps < 1 or a.min_peers < 1:
         p.error("need --honest >= 3 and positive --rounds, --duration, --inner-steps, --min-peers")
     if a.kinds and a.hostile:
         p.error("give either --hostile (one swarm) or --kinds (one swarm per kind)")
-    kinds = list(ALL) if a.kinds == ["all"] else a.kinds
+    kinds = [*ALL, *(SPARSE if a.codec.startswith("sparse") else ())] if a.kinds == ["all"] else a.kinds
     a.scenarios = [[k] for k in kinds] if kinds else [a.hostile] if a.hostile else []
     if not a.scenarios:
         p.error("name the hostile peers: --hostile KIND (repeatable) or --kinds all")
@@ -175,6 +187,7 @@ class Scenario:
             "--set", f"swarm.heartbeat_interval={HEARTBEAT}", "--set", f"swarm.request_timeout={REQUEST}",
             "--set", f"swarm.round_timeout={ROUND}", "--set", f"swarm.gather_timeout={GATHER}",
             "--set", "data.batch_size=4", "--set", "data.seq_len=64", "--set", "data.eval_every=1",
+            "--set", f"swarm.codec={args.codec}", *(x for kv in args.settings for x in ("--set", kv)),
         ]
 
     @property

@@ -66,7 +66,7 @@ from .options import add_wan_arguments, non_negative_int, positive_int, wan_sett
 ROOT = Path(__file__).resolve().parent.parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "allreduce_peer.py"
 
-COLUMNS = ["system", "codec", "peers", "link_mbit", "rtt_ms", "nat", "owners", "payload_bytes", "wire_bytes_per_peer", "nic_tx_bytes_per_peer",
+COLUMNS = ["system", "codec", "peers", "link_mbit", "rtt_ms", "nat", "owners", "payload_bytes", "wire_bytes_per_peer", "x_fp32", "nic_tx_bytes_per_peer",
            "seconds", "commit_s", "allreduce_s", "bound_seconds", "ratio_to_bound", "gather_s", "exchanged_s", "audited_s",
            "voted_s", "outside_s", "outside_rtts", "first_sync_aborted", "identical", "rel_error", "within_tol", "aborted", "cpu_s", "p2pd_cpu_s"]
 # Largest acceptable ||result - mean|| / ||mean|| per codec (Gaussian inputs, mean of N peers).
@@ -157,9 +157,13 @@ def gonka_codecs(requested: str | None, quick: bool, smoke: bool = False) -> lis
     default = (SMOKE_GONKA_CODECS if smoke else [n for n in QUICK_GONKA_CODECS if n in CODECS] if quick
                else list(CODECS))
     names = [n for n in requested.split(",") if n] if requested else default
-    unknown = [n for n in names if n not in CODECS]
+    unknown = [n for n in names if n not in CODECS and not n.startswith("sparse")]
     if unknown:
-        raise ValueError(f"--codecs: unknown codec {', '.join(unknown)} (choose from {', '.join(CODECS)})")
+        raise ValueError(f"--codecs: unknown codec {', '.join(unknown)} (choose from {', '.join(CODECS)}, sparse...)")
+    from p2p.codecs import get_codec
+
+    for name in names:
+        get_codec(name)  # a sparse name that does not parse: ValueError naming it
     return names
 
 
@@ -168,7 +172,8 @@ def wire_size(system: str, codec: str, params: int) -> int:
     if system == "gonka-node":
         from p2p.codecs import get_codec
 
-        return get_codec(codec).wire_bytes(params)
+        c = get_codec(codec)  # a sparse codec's average has a format of its own: their mean each way
+        return (c.wire_bytes(params) + c.average.wire_bytes(params)) // 2
     return 2 * params if codec == "float16" else 4 * params
 
 
@@ -299,6 +304,9 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         "link_mbit": rate_bps / 1e6,
         "payload_bytes": 4 * args.params,
         "wire_bytes_per_peer": None if None in sent else round(statistics.mean(sent)),
+        # What an fp32 butterfly sends per peer, over this row's (gonka-node's own count).
+        "x_fp32": None if None in sent else round(2 * (args.peers - 1) / args.peers * 4 * args.params
+                                                     / statistics.mean(sent), 1),
         "nic_tx_bytes_per_peer": round(statistics.mean(nic)),
         "seconds": seconds,
         "commit_s": statistics.median(to_commit) if len(to_commit) == repeats else None,
@@ -317,7 +325,8 @@ def summarize(system: str, codec: str, peers: list[dict], args, rate_bps: int) -
         "first_sync_aborted": max((p["first_sync_aborted"] for p in peers if "first_sync_aborted" in p), default=None),
         "identical": identical,
         "rel_error": rel_error,
-        "within_tol": rel_error <= TOLERANCE.get(codec, 1.0),
+        # A sparse codec delivers ~2-3% of the values a round (error feedback the rest, later).
+        "within_tol": rel_error <= TOLERANCE.get(codec, 1.2 if codec.startswith("sparse") else 1.0),
         "aborted": aborted,
         "cpu_s": statistics.median(cpu["cpu_s"]) if "cpu_s" in cpu else None,
         "p2pd_cpu_s": statistics.median(cpu["p2pd_cpu_s"]) if "p2pd_cpu_s" in cpu else None,
@@ -386,7 +395,7 @@ def run(args: argparse.Namespace) -> dict:
             notes.append(f"{system}/{codec}: peers ended with different values")
         if not row["within_tol"]:
             notes.append(f"{system}/{codec}: relative error {row['rel_error']:.3g} above tolerance "
-                         f"{TOLERANCE.get(codec)}")
+                         f"{TOLERANCE.get(codec, 1.2 if codec.startswith('sparse') else 1.0)}")
     png = args.out / "allreduce.png"
     plot(rows, png, f"one sync of {args.params:,} fp32 values, {args.peers} peers at {args.rate} each"
                     f"{f', {args.rtt:g} ms RTT' if args.rtt else ''}{f', {args.loss:g}% loss' if args.loss else ''}"

@@ -15,9 +15,8 @@ only the outer step and the codec differ. A run (``--runs``) is given as ``CODEC
 
 Any number field may list alternatives with ``|``: ``fp32@0.4|0.7|1.0,0.8|0.9`` is six
 runs. Data-parallel training (gradients averaged every step, same tokens) is the
-baseline of ``vs_ddp``. Bytes are per worker and round of a butterfly all-reduce:
-``up`` what a worker sends (its input to every other owner's part), ``down`` what it
-receives (the owners' averages); ``x_up``/``x_down`` are fp32's bytes over the run's.
+baseline of ``vs_ddp``. ``bytes_each_way``: what a worker sends (and receives) per round
+in the butterfly all-reduce (``wire_ratios``); ``x_fp32``: fp32's bytes over the run's.
 Every finished run is appended to ``OUT/sweep.jsonl`` as it ends.
 """
 
@@ -62,16 +61,18 @@ def expand(spec: str) -> list[tuple[str, float, float, float]]:
     return [(codec, lr, m, d) for lr, m, d in itertools.product(*choices)]
 
 
-def wire_ratios(codec, numel: int, k: int) -> tuple[float, float, int, int]:
-    """(fp32 bytes / up bytes, fp32 bytes / down bytes, up, down) per worker and round, averaged
-    over the workers of a butterfly over ``k`` parts."""
+def wire_ratios(codec, numel: int, k: int) -> tuple[float, int]:
+    """(fp32 all-reduce's bytes / the run's, the run's bytes) per worker and round, each way.
+
+    In the butterfly every worker owns a part: it sends its input to the k - 1 other owners
+    and its part's average to the k - 1 other members, and receives as much, so up and down
+    are both (k - 1)/k x (input + average) of the whole vector (2 (k - 1)/k x 4 bytes a value
+    in fp32)."""
     from p2p.compression import part_bounds
 
     parts = part_bounds(numel, k)
-    up = sum(codec.wire_bytes(e - s) for s, e in parts) * (k - 1) / k
-    down = sum(codec.average.wire_bytes(e - s) for s, e in parts) * (k - 1) / k
-    fp32 = 4 * numel * (k - 1) / k
-    return fp32 / up, fp32 / down, int(up), int(down)
+    way = sum(codec.wire_bytes(e - s) + codec.average.wire_bytes(e - s) for s, e in parts) * (k - 1) / k
+    return 2 * 4 * numel * (k - 1) / k / way, int(way)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -129,10 +130,10 @@ def run(args: argparse.Namespace) -> dict:
         records = sim.run_sync(rounds, H)
         loss = records[-1]["eval_loss"]
         numel = sum(p.numel() for p in sim.workers[0].global_params)
-        x_up, x_down, up, down = wire_ratios(codec, numel, k)
+        x_fp32, way = wire_ratios(codec, numel, k)
         row = {"codec": codec.name, "outer_lr": lr, "momentum": momentum, "decay": decay if not exact else 1.0,
                "eval_loss": loss, "vs_ddp": f"{loss / ddp_loss - 1:+.1%}" if ddp_loss else "-",
-               "x_up": round(x_up, 1), "x_down": round(x_down, 1), "up_bytes": up, "down_bytes": down,
+               "x_fp32": round(x_fp32, 1), "bytes_each_way": way,
                "seconds": round(time.perf_counter() - started, 1)}
         rows.append(row)
         with log.open("a") as f:
@@ -140,4 +141,4 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  {codec.name} lr {lr} m {momentum} decay {decay}: eval loss {loss:.4f} ({row['seconds']:.0f}s)", flush=True)
     rows.sort(key=lambda r: r["eval_loss"])
     return {**setting, "ddp_eval_loss": ddp_loss, "parameters": numel, "rows": rows,
-            "columns": ["codec", "outer_lr", "momentum", "decay", "eval_loss", "vs_ddp", "x_up", "x_down", "seconds"]}
+            "columns": ["codec", "outer_lr", "momentum", "decay", "eval_loss", "vs_ddp", "x_fp32", "seconds"]}

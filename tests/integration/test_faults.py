@@ -70,17 +70,20 @@ def test_sigkill_a_member_at_each_phase_of_a_round(nodes):
 
 
 def test_sigstopped_member_is_left_out_then_resyncs(nodes):
-    # The sleeper joins a swarm 8 rounds in (with int8, 8 averages are as many bytes as the
-    # state: it downloads the state), and that download is held 3 s once the donors described
+    # The sleeper joins a swarm 8 rounds in (it has no state: it downloads one), and that
+    # download is held 3 s once the donors described
     # it: several of the swarm's rounds commit meanwhile, as while a big state crosses the
     # internet. The donors keep serving the state it began on, and the averages of the rounds
     # since: it takes their outer steps itself, each checked against its certificate, instead
     # of downloading the state again, and never trains for a round the swarm has finished (it
     # would be one round behind at every gather then).
-    int8 = ["--set", "swarm.codec=int8", "--set", "swarm.catchup_rounds=16"]
-    others = start_swarm(nodes, 3, extra=int8)
+    # The sparse codec: the averages kept for catch-up are in its averages' own format, ~1/60
+    # of the state each; donors keep the last 5 of them (with all of them kept, a joiner
+    # would take every round's step from θ as built instead of downloading the state).
+    sparse = ["--set", "swarm.codec=sparse", "--set", "swarm.catchup_rounds=5"]
+    others = start_swarm(nodes, 3, extra=sparse)
     others[0].wait_round(8, timeout=120)
-    sleeper = nodes("n3", *COMMON, *int8, "--bootstrap", others[0].address(),
+    sleeper = nodes("n3", *COMMON, *sparse, "--bootstrap", others[0].address(),
                     env={"GONKA_TEST_HOLD_FIRST_DOWNLOAD": "3"})
     swarm = [*others, sleeper]
     wait_until(lambda: "members=4" in sleeper.log(), 200, "a 4-member round")

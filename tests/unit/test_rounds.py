@@ -102,7 +102,7 @@ def by_member(peers, values):
 @pytest.mark.parametrize("codec", ["fp32", "int8", "fp4", "sparse-c64-k4"])
 async def test_pieces_average_exactly_as_whole_parts_would(codec, monkeypatch):
     # Small pieces, so every part streams as several of them, the last one short.
-    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256)
+    monkeypatch.setattr(p2p.group, "PIECE_ELEMS", 256 // get_codec(codec).piece_factor)
     peers = await start_peers(3, min_peers=3, codec=codec)
     try:
         gen = torch.Generator().manual_seed(2)
