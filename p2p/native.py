@@ -1,5 +1,5 @@
-"""The C kernels of the block codecs int8, int4 and fp4 and of the aggregators' sums (``nibble.c``): built once
-per machine, loaded with ctypes.
+"""The C kernels of the block codecs int8, int4 and fp4, of the sparse codec and of the aggregators' sums
+(``nibble.c``): built once per machine, loaded with ctypes.
 
 ``kernels()`` gives the loaded kernels, or None where they cannot be had: no C
 compiler, a build that fails, or ``GONKA_NATIVE=0`` in the environment. The
@@ -40,14 +40,15 @@ BUILD_TIMEOUT_S = 120.0
 
 # Return codes of the kernels, as p2p.codec.CodecError reasons.
 ERRORS = {1: "non_finite_input", 2: "non_finite_scale", 3: "negative_scale", 4: "scale_overflow", 5: "bad_code",
-          6: "bad_padding"}
+          6: "bad_padding", 7: "bad_index"}
+NO_MEMORY = -2  # a kernel's scratch buffer could not be had
 # The kind argument of gonka_nibble_encode/decode; int8 has entry points of its own.
 NIBBLE_KINDS = {"int4": 0, "fp4": 1}
 
 
 class CodecKernels:
-    """``encode``/``decode`` of whole vectors in the int8, int4 or fp4 wire format, and the sums of
-    ``p2p.aggregate``, on raw tensor memory."""
+    """``encode``/``decode`` of whole vectors in the int8, int4 or fp4 wire format, ``sparse_encode``/
+    ``sparse_decode`` in the sparse one, and the sums of ``p2p.aggregate``, on raw tensor memory."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -58,7 +59,11 @@ class CodecKernels:
         self._nibble_decode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
         self._int8_encode.argtypes = [ptr, i64, i64, ptr, ptr]
         self._int8_decode.argtypes = [ptr, i64, i64, ptr]
-        for function in (self._nibble_encode, self._nibble_decode, self._int8_encode, self._int8_decode):
+        self._sparse_encode, self._sparse_decode = lib.gonka_sparse_encode, lib.gonka_sparse_decode
+        self._sparse_encode.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr]
+        self._sparse_decode.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr]
+        for function in (self._nibble_encode, self._nibble_decode, self._int8_encode, self._int8_decode,
+                         self._sparse_encode, self._sparse_decode):
             function.restype = ctypes.c_int
         self._absmax, self._sum_sq = lib.gonka_absmax, lib.gonka_sum_sq_truncated
         self._weighted_sum = lib.gonka_weighted_sum
@@ -81,6 +86,21 @@ class CodecKernels:
         code = self._int8_decode(*args) if kind == "int8" else self._nibble_decode(NIBBLE_KINDS[kind], *args)
         return self._reason(code)
 
+    def sparse_encode(self, x: torch.Tensor, chunk: int, keep: int, bits: int, out: torch.Tensor,
+                      decoded: torch.Tensor | None) -> str | None:
+        """Fill ``out`` (uint8, the exact wire size) with ``x`` in the sparse format of (chunk, keep, bits)
+        (p2p/sparsecodec.py), and ``decoded`` with its values; an error reason or None. The caller
+        checks every shape, dtype and contiguity: the kernel trusts them."""
+        pointer = None if decoded is None else decoded.data_ptr()
+        return self._reason(self._sparse_encode(x.data_ptr(), x.numel(), chunk, keep, bits, out.data_ptr(), pointer))
+
+    def sparse_decode(self, payload: torch.Tensor, numel: int, chunk: int, keep: int, bits: int,
+                      out: torch.Tensor | None, mask: torch.Tensor | None) -> str | None:
+        """Check ``payload`` (uint8, already checked to be the exact wire size) and decode it into ``out``
+        and mark what it keeps in ``mask`` (bool), each where given; an error reason or None."""
+        pointers = [None if t is None else t.data_ptr() for t in (out, mask)]
+        return self._reason(self._sparse_decode(payload.data_ptr(), numel, chunk, keep, bits, *pointers))
+
     # The aggregators' sums (p2p/aggregate.py): contiguous fp32 CPU tensors, checked by the caller.
 
     def absmax(self, x: torch.Tensor) -> float:
@@ -102,8 +122,10 @@ class CodecKernels:
 
     @staticmethod
     def _reason(code: int) -> str | None:
+        if code == NO_MEMORY:
+            raise MemoryError("codec kernels: no memory for a scratch buffer")
         if code < 0:
-            raise ValueError("codec kernels: bad block size or numel")
+            raise ValueError("codec kernels: bad block size, codec settings or numel")
         return ERRORS.get(code) if code else None
 
 

@@ -1,5 +1,6 @@
 /* Fused kernels of the block codecs: int8, and the 4-bit int4 and fp4 (wire format: p2p/codecs.py),
- * and of the sums the part owners' aggregators take (p2p/aggregate.py; at the end of the file).
+ * of the sparse codec (p2p/sparsecodec.py), and of the sums the part owners' aggregators take
+ * (p2p/aggregate.py; at the end of the file).
  *
  * p2p/native.py builds this file with the system C compiler and calls it through
  * ctypes, which releases the GIL. The torch code in p2p/codecs.py is the
@@ -16,10 +17,12 @@
  * decoder's code, so what they report is what every receiver decodes.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { KIND_INT4 = 0, KIND_FP4 = 1 };
-enum { OK = 0, NON_FINITE_INPUT, NON_FINITE_SCALE, NEGATIVE_SCALE, SCALE_OVERFLOW, BAD_CODE, BAD_PADDING };
+enum { OK = 0, NON_FINITE_INPUT, NON_FINITE_SCALE, NEGATIVE_SCALE, SCALE_OVERFLOW, BAD_CODE, BAD_PADDING, BAD_INDEX };
+enum { BAD_ARGUMENT = -1, NO_MEMORY = -2 };
 
 #define SCALE_LIMIT 0x1p120f /* p2p.codecs.SCALE_LIMIT */
 
@@ -253,6 +256,321 @@ int gonka_int8_decode(const uint8_t *data, int64_t numel, int64_t block, float *
         bad |= unpack_int8(codes + start, n, s, out + start);
     }
     return bad ? BAD_CODE : OK;
+}
+
+/* ---- the sparse codec (p2p/sparsecodec.py) ----
+ *
+ * Per chunk of L values (the last may be shorter) the kept(L) values of largest magnitude, ties
+ * to the lower index: the torch code ranks them by a unique key, (fp32 bits of |v|) << 16 |
+ * (65535 - index), whose order is the magnitude's, then the lower index's. Here the kept(L)-th
+ * largest key, the threshold, is found without ranking the whole chunk: the chunk is cut into
+ * groups of 16 values, and kept(L) groups hold a value at least as large as the kept(L)-th largest
+ * group maximum, so no value below it is kept. Rounded down to its bin in a histogram of the
+ * maxima (1/8 of an octave wide), that bar lets ~1.5 kept(L) values of a Gaussian chunk through
+ * (keep 64 of 4096), and whole groups are skipped by their maximum alone. A quickselect on those
+ * few gives the threshold; a bitmap of the kept gives their indices in ascending order. lo, step,
+ * levels and values are the torch code's fp32 operations one by one. */
+
+enum { GROUP = 16 }; /* values per group */
+
+/* Values kept of a chunk of length values: SparseCodec.kept. */
+static inline int64_t sparse_kept(int64_t length, int64_t chunk, int64_t keep) {
+    int64_t k = (keep * length + chunk - 1) / chunk;
+    return k < length ? k : length;
+}
+
+static inline uint64_t sparse_key(const float *x, int64_t i) {
+    return (uint64_t)(bits_of(x[i]) & 0x7FFFFFFFu) << 16 | (uint64_t)(65535 - i);
+}
+
+static int compare_keys(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The nth smallest of n distinct keys (n >= 1, 0 <= nth < n); a is reordered, the nth smallest
+ * then at a[nth], larger keys after it. Quickselect with a median-of-three pivot, and a sort of
+ * what is left where the pivots keep falling badly. */
+static uint64_t select_key(uint64_t *a, int64_t n, int64_t nth) {
+    int64_t lo = 0, hi = n - 1, budget = 64;
+    while (hi > lo) {
+        if (--budget < 0) {
+            qsort(a + lo, (size_t)(hi - lo + 1), sizeof *a, compare_keys);
+            break;
+        }
+        int64_t mid = lo + (hi - lo) / 2;
+        uint64_t t;
+        if (a[mid] < a[lo]) t = a[mid], a[mid] = a[lo], a[lo] = t;
+        if (a[hi] < a[lo]) t = a[hi], a[hi] = a[lo], a[lo] = t;
+        if (a[hi] < a[mid]) t = a[hi], a[hi] = a[mid], a[mid] = t;
+        uint64_t pivot = a[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) { /* Hoare's partition: a[lo..j] <= pivot <= a[i..hi] */
+            while (a[i] < pivot)
+                i++;
+            while (a[j] > pivot)
+                j--;
+            if (i <= j) {
+                t = a[i], a[i] = a[j], a[j] = t;
+                i++, j--;
+            }
+        }
+        if (nth <= j)
+            hi = j;
+        else if (nth >= i)
+            lo = i;
+        else
+            break; /* j < nth < i: a[nth] is the pivot */
+    }
+    return a[nth];
+}
+
+/* The fp32 pattern of the largest |v| of each group of a chunk (the last group may be shorter). */
+MULTIVERSION
+static void group_maxima(const float *v, int64_t length, uint32_t *maxima) {
+    int64_t full = length / GROUP;
+    for (int64_t g = 0; g < full; g++) {
+        uint32_t m = 0;
+        for (int64_t j = 0; j < GROUP; j++) {
+            uint32_t a = bits_of(v[g * GROUP + j]) & 0x7FFFFFFFu;
+            m = a > m ? a : m;
+        }
+        maxima[g] = m;
+    }
+    if (length > full * GROUP)
+        maxima[full] = absmax_bits(v + full * GROUP, length - full * GROUP);
+}
+
+/* Scratch memory of one encode: the group maxima of a chunk, a histogram of their top bits
+ * (all zero between chunks), the candidates for the kept values, and a bitmap of the kept. */
+enum { BIN_SHIFT = 20 }; /* a bin: 1/8 of an octave of magnitudes (exponent and 3 mantissa bits) */
+typedef struct {
+    uint32_t *maxima;
+    uint16_t *bins;
+    uint64_t *keys, *kept;
+    int64_t capacity; /* keys held before the least are dropped */
+} sparse_scratch;
+
+static int scratch_alloc(sparse_scratch *s, int64_t chunk, int64_t keep) {
+    s->capacity = 4 * keep;
+    s->maxima = malloc((size_t)(chunk + GROUP - 1) / GROUP * sizeof *s->maxima);
+    s->bins = calloc((size_t)1 << (31 - BIN_SHIFT), sizeof *s->bins);
+    s->keys = malloc((size_t)s->capacity * sizeof *s->keys);
+    s->kept = malloc((size_t)(chunk + 63) / 64 * sizeof *s->kept);
+    return s->maxima && s->bins && s->keys && s->kept;
+}
+
+static void scratch_free(sparse_scratch *s) { free(s->maxima), free(s->bins), free(s->keys), free(s->kept); }
+
+/* The kept-th largest key of a chunk (0 < kept < length) whose group maxima are in s; the kept keys
+ * are then the first kept of s->keys. */
+static uint64_t threshold_key(const float *v, int64_t length, int64_t kept, sparse_scratch *s) {
+    int64_t groups = (length + GROUP - 1) / GROUP, n = 0;
+    uint64_t bar = 0; /* no key below it is kept */
+    if (kept <= groups) {
+        /* Down from the top bin of the group maxima to the one where kept of them are reached:
+         * kept groups hold a value from its lower edge up. */
+        uint32_t top = 0;
+        for (int64_t g = 0; g < groups; g++) {
+            uint32_t bin = s->maxima[g] >> BIN_SHIFT;
+            s->bins[bin]++;
+            top = bin > top ? bin : top;
+        }
+        uint32_t bin = top;
+        for (int64_t reached = s->bins[bin]; reached < kept;)
+            reached += s->bins[--bin];
+        bar = (uint64_t)bin << BIN_SHIFT << 16;
+        for (int64_t g = 0; g < groups; g++)
+            s->bins[s->maxima[g] >> BIN_SHIFT] = 0;
+    }
+    /* The keys from the bar up; where they fill the buffer, the top kept stay and the bar rises
+     * to them (the keys are distinct: a key must beat the least of them). */
+    for (int64_t g = 0; g < groups; g++) {
+        if (s->maxima[g] < bar >> 16)
+            continue;
+        int64_t end = (g + 1) * GROUP < length ? (g + 1) * GROUP : length;
+        for (int64_t i = g * GROUP; i < end; i++) {
+            uint64_t key = sparse_key(v, i);
+            s->keys[n] = key; /* without a branch: few keys pass, at random */
+            n += key >= bar;
+            if (n == s->capacity) {
+                bar = select_key(s->keys, n, n - kept) + 1;
+                memmove(s->keys, s->keys + n - kept, (size_t)kept * sizeof *s->keys);
+                n = kept;
+            }
+        }
+    }
+    uint64_t threshold = select_key(s->keys, n, n - kept); /* n >= kept: every key of the top kept passed */
+    memmove(s->keys, s->keys + n - kept, (size_t)kept * sizeof *s->keys); /* the kept keys, first */
+    return threshold;
+}
+
+/* Appends width-bit entries to a stream, least significant bit first (sparsecodec._pack). */
+typedef struct { uint8_t *at; uint64_t acc; int n; } bit_writer;
+
+static inline void put_bits(bit_writer *w, uint32_t value, int width) {
+    w->acc |= (uint64_t)value << w->n;
+    for (w->n += width; w->n >= 8; w->n -= 8, w->acc >>= 8)
+        *w->at++ = (uint8_t)w->acc;
+}
+
+static inline void flush_bits(bit_writer *w) { /* the last byte, zero-padded */
+    if (w->n > 0)
+        *w->at++ = (uint8_t)w->acc;
+    w->acc = 0, w->n = 0;
+}
+
+typedef struct { const uint8_t *at; uint64_t acc; int n; } bit_reader;
+
+static inline uint32_t get_bits(bit_reader *r, int width) {
+    for (; r->n < width; r->n += 8)
+        r->acc |= (uint64_t)*r->at++ << r->n;
+    uint32_t value = (uint32_t)(r->acc & ((1u << width) - 1));
+    r->acc >>= width, r->n -= width;
+    return value;
+}
+
+/* ±(lo + level * step), one fp32 multiply and one add (SparseCodec._values). */
+static inline float sparse_value(float lo, float step, uint32_t level, int negative) {
+    float magnitude = (float)level * step;
+    magnitude = magnitude + lo;
+    return negative ? -magnitude : magnitude;
+}
+
+/* Chunks and kept values in all of numel values (SparseCodec._layout). */
+static void sparse_layout(int64_t numel, int64_t chunk, int64_t keep, int64_t *chunks, int64_t *count) {
+    int64_t full = numel / chunk, rest = numel % chunk;
+    *chunks = full + (rest > 0);
+    *count = full * keep + (rest > 0 ? sparse_kept(rest, chunk, keep) : 0);
+}
+
+static int sparse_arguments_bad(int64_t numel, int64_t chunk, int64_t keep, int bits) {
+    return numel < 0 || chunk < 2 || chunk > 65536 || (chunk & (chunk - 1)) || keep < 1 || keep > chunk ||
+           bits < 2 || bits > 8;
+}
+
+/* Encode numel values in the sparse format of (chunk, keep, bits) into out (wire_bytes(numel));
+ * into decoded, if not NULL, what decoding out gives: 0 but at the kept values. Returns OK,
+ * NON_FINITE_INPUT (out and decoded then hold garbage), BAD_ARGUMENT or NO_MEMORY. */
+MULTIVERSION
+int gonka_sparse_encode(const float *x, int64_t numel, int64_t chunk, int64_t keep, int bits, uint8_t *out,
+                        float *decoded) {
+    if (sparse_arguments_bad(numel, chunk, keep, bits))
+        return BAD_ARGUMENT;
+    int64_t chunks, count;
+    sparse_layout(numel, chunk, keep, &chunks, &count);
+    int width = __builtin_ctzll((unsigned long long)chunk), levels = (1 << (bits - 1)) - 1;
+    sparse_scratch s;
+    if (!scratch_alloc(&s, chunk, keep)) {
+        scratch_free(&s);
+        return NO_MEMORY;
+    }
+    bit_writer index = {out + 8 * chunks, 0, 0};
+    bit_writer code = {out + 8 * chunks + (count * width + 7) / 8, 0, 0};
+    int error = OK;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *v = x + c * chunk;
+        int64_t length = numel - c * chunk < chunk ? numel - c * chunk : chunk, kept = sparse_kept(length, chunk, keep);
+        int64_t groups = (length + GROUP - 1) / GROUP, words = (length + 63) / 64;
+        group_maxima(v, length, s.maxima);
+        uint32_t absmax = 0;
+        for (int64_t g = 0; g < groups; g++)
+            absmax = s.maxima[g] > absmax ? s.maxima[g] : absmax;
+        if (absmax >= 0x7F800000u) {
+            error = NON_FINITE_INPUT;
+            break;
+        }
+        /* lo and lo + M step: the smallest kept magnitude and the largest; the kept, as a bitmap. */
+        float lo = float_of(absmax), hi = float_of(absmax);
+        if (kept < length) {
+            lo = float_of((uint32_t)(threshold_key(v, length, kept, &s) >> 16));
+            memset(s.kept, 0, (size_t)words * sizeof *s.kept);
+            for (int64_t j = 0; j < kept; j++) {
+                int64_t i = 65535 - (int64_t)(s.keys[j] & 0xFFFF);
+                s.kept[i / 64] |= 1ull << (i % 64);
+            }
+        } else {
+            for (int64_t i = 0; i < length; i++)
+                lo = __builtin_fabsf(v[i]) < lo ? __builtin_fabsf(v[i]) : lo;
+            memset(s.kept, 0xFF, (size_t)words * sizeof *s.kept);
+            if (length % 64)
+                s.kept[words - 1] = (1ull << (length % 64)) - 1;
+        }
+        /* Magnitudes above the format's limit are taken as the limit (SparseCodec._encode_rows). */
+        lo = lo > SCALE_LIMIT ? SCALE_LIMIT : lo;
+        hi = hi > SCALE_LIMIT ? SCALE_LIMIT : hi;
+        float step = (hi - lo) / (float)levels;
+        memcpy(out + 8 * c, &lo, 4);
+        memcpy(out + 8 * c + 4, &step, 4);
+        if (decoded)
+            memset(decoded + c * chunk, 0, (size_t)length * sizeof *decoded);
+        for (int64_t w = 0; w < words; w++)
+            for (uint64_t set = s.kept[w]; set; set &= set - 1) { /* the kept indices, ascending */
+                int64_t i = 64 * w + __builtin_ctzll(set);
+                float level = 0.0f; /* step 0: every kept magnitude is lo */
+                if (step > 0) { /* rounded half to even, as torch.round */
+                    float a = __builtin_fabsf(v[i]);
+                    a = a > SCALE_LIMIT ? SCALE_LIMIT : a;
+                    level = __builtin_nearbyintf((a - lo) / step);
+                    level = level > (float)levels ? (float)levels : level;
+                }
+                int negative = v[i] < 0;
+                put_bits(&index, (uint32_t)i, width);
+                put_bits(&code, (uint32_t)level | (uint32_t)negative << (bits - 1), bits);
+                if (decoded)
+                    decoded[c * chunk + i] = sparse_value(lo, step, (uint32_t)level, negative);
+            }
+    }
+    flush_bits(&index);
+    flush_bits(&code);
+    scratch_free(&s);
+    return error;
+}
+
+/* Check an untrusted sparse payload of exactly wire_bytes(numel) bytes (the caller checks the size)
+ * and, where not NULL, decode it into out and mark its kept values in mask (one byte per value,
+ * 1 where kept). Returns OK or, in the order SparseCodec._parse checks them, NON_FINITE_SCALE,
+ * NEGATIVE_SCALE, SCALE_OVERFLOW (any lo or step), BAD_PADDING (the index stream's, then the
+ * code stream's), BAD_INDEX (any chunk's); out and mask then hold garbage. Or BAD_ARGUMENT. */
+int gonka_sparse_decode(const uint8_t *data, int64_t numel, int64_t chunk, int64_t keep, int bits, float *out,
+                        uint8_t *mask) {
+    if (sparse_arguments_bad(numel, chunk, keep, bits))
+        return BAD_ARGUMENT;
+    int64_t chunks, count;
+    sparse_layout(numel, chunk, keep, &chunks, &count);
+    int width = __builtin_ctzll((unsigned long long)chunk), levels = (1 << (bits - 1)) - 1;
+    int error = check_scales(data, 2 * chunks);
+    if (error)
+        return error;
+    const uint8_t *indices = data + 8 * chunks, *codes = indices + (count * width + 7) / 8;
+    /* Padding: the bits of each stream's last byte above its last entry. */
+    if ((count * width) % 8 && codes[-1] >> (count * width) % 8)
+        return BAD_PADDING;
+    if ((count * bits) % 8 && codes[(count * bits + 7) / 8 - 1] >> (count * bits) % 8)
+        return BAD_PADDING;
+    bit_reader index = {indices, 0, 0}, code = {codes, 0, 0};
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t length = numel - c * chunk < chunk ? numel - c * chunk : chunk, kept = sparse_kept(length, chunk, keep);
+        float scales[2];
+        memcpy(scales, data + 8 * c, 8);
+        if (out)
+            memset(out + c * chunk, 0, (size_t)length * sizeof *out);
+        if (mask)
+            memset(mask + c * chunk, 0, (size_t)length);
+        int64_t previous = -1;
+        for (int64_t j = 0; j < kept; j++) {
+            int64_t i = get_bits(&index, width);
+            uint32_t q = get_bits(&code, bits);
+            if (i <= previous || i >= length)
+                return BAD_INDEX; /* the last check: nothing after it decides the reason */
+            previous = i;
+            if (out)
+                out[c * chunk + i] = sparse_value(scales[0], scales[1], q & (uint32_t)levels, (int)(q >> (bits - 1)));
+            if (mask)
+                mask[c * chunk + i] = 1;
+        }
+    }
+    return OK;
 }
 
 /* ---- the aggregators' exact sums (p2p/aggregate.py) ----

@@ -35,13 +35,20 @@ Decoding refuses, with a ``CodecError`` reason: a payload of the wrong size
 (``non_finite_scale``, ``negative_scale``, ``scale_overflow``), an index out of its
 chunk or not above the one before it, duplicates included (``bad_index``), and
 non-zero padding bits (``bad_padding``). Every accepted payload decodes to finite
-values of magnitude below 2^127.
+values of magnitude at most 2^127. Where a payload has several of these faults the first
+in this order is named: a scale (any chunk's), the index stream's padding, the code
+stream's padding, an index (any chunk's).
+
+The codec encodes and decodes with C kernels (``p2p/nibble.c``, loaded by
+``p2p/native.py``) where they can be built; the torch code here is their reference and
+fallback, and gives the same bytes, the same values and the same reasons.
 """
 
 from __future__ import annotations
 
 import torch
 
+from p2p import native as native_kernels
 from p2p import sparsename
 from p2p.codec import Codec, CodecError, all_finite, check_input, check_vector, checked_payload
 
@@ -72,8 +79,15 @@ def _unpack(stream: torch.Tensor, count: int, width: int) -> torch.Tensor:
 class SparseCodec(Codec):
     """Chunked top-k with ``bits``-bit values and ``log2(chunk)``-bit indices (see the module)."""
 
-    def __init__(self, chunk: int = 4096, keep: int = 64, bits: int = 2, average_keep: int = 128,
+    # Pieces of 2^22 values: 120 KB of input and 264 KB of average by default, as large on the
+    # wire as a 4-bit codec's pieces of 2^18 (a piece's fixed costs, framing and a hop to the
+    # worker thread, stay small beside its bytes).
+    piece_factor = 16
+
+    def __init__(self, chunk: int = 4096, keep: int = 64, bits: int = 2, average_keep: int = 0,
                  average_bits: int = 4, *, native: bool = True, _average: bool = False) -> None:
+        """``average_keep`` 0: twice ``keep``, at most the chunk (p2p/sparsename.py)."""
+        average_keep = average_keep or min(2 * keep, chunk)
         settings = {"c": chunk, "k": keep, "b": bits, "ak": average_keep, "ab": average_bits}
         name = sparsename.canonical(settings)
         if sparsename.parse(name) != settings:  # raises ValueError for invalid settings
@@ -82,6 +96,8 @@ class SparseCodec(Codec):
         self.keep, self.bits = keep, bits
         self.index_bits = chunk.bit_length() - 1
         self.levels = (1 << (bits - 1)) - 1  # M: the largest level
+        # Encode and decode with the C kernels (p2p/native.py) where they can be built; the torch
+        # code below is the reference they are tested against, and the fallback.
         self.native = native
         self.name = name
         self._average = self
@@ -127,12 +143,25 @@ class SparseCodec(Codec):
         if numel > full:
             yield full, 1, numel - full
 
+    def _kernels(self) -> native_kernels.CodecKernels | None:
+        return native_kernels.kernels() if self.native else None
+
     # ---- encode --------------------------------------------------------------------
 
     def encode(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> bytes:
         check_input(x)
         if decoded is not None:
             check_vector(decoded, x.numel(), "encode decoded=")
+        kernels = self._kernels()
+        if kernels is None:
+            return self._encode_reference(x, decoded)
+        out = torch.empty(self.wire_bytes(x.numel()), dtype=torch.uint8)
+        if reason := kernels.sparse_encode(x, self.chunk, self.keep, self.bits, out, decoded):
+            raise CodecError(reason)
+        return out.numpy().tobytes()
+
+    def _encode_reference(self, x: torch.Tensor, decoded: torch.Tensor | None) -> bytes:
+        """``encode`` in torch ops, a few chunks at a time."""
         if not all_finite(x):
             raise CodecError("non_finite_input")
         numel = x.numel()
@@ -166,7 +195,7 @@ class SparseCodec(Codec):
         key = (magnitude.view(torch.int32).to(torch.int64) << 16) | (65535 - torch.arange(length))
         index = (65535 - (key.topk(kept, dim=1, sorted=False).values & 0xFFFF)).sort(dim=1).values
         values = block.gather(1, index)
-        kept_magnitude = values.abs()
+        kept_magnitude = values.abs().clamp_(max=SCALE_LIMIT)  # beyond the limit: the limit (a legal payload)
         lo = kept_magnitude.amin(dim=1)
         step = (kept_magnitude.amax(dim=1) - lo) / torch.full_like(lo, float(self.levels))
         spread = step.unsqueeze(1)
@@ -206,7 +235,24 @@ class SparseCodec(Codec):
             at += rows * kept
         return scales.view(chunks, 2), indices, codes
 
+    def _decode_native(self, kernels: native_kernels.CodecKernels, raw: torch.Tensor, numel: int,
+                       out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
+        """``_parse``'s checks of a payload of the right size by the kernel, decoding into ``out``
+        and marking ``mask`` where given."""
+        if reason := kernels.sparse_decode(raw, numel, self.chunk, self.keep, self.bits, out, mask):
+            raise CodecError(reason)
+
     def decode(self, data, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        kernels = self._kernels()
+        if kernels is None:
+            return self._decode_reference(data, numel, out)
+        raw, _ = checked_payload(self, data, numel)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
+        self._decode_native(kernels, raw, numel, out=out)
+        return out
+
+    def _decode_reference(self, data, numel: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``decode`` in torch ops, a few chunks at a time."""
         scales, indices, codes = self._parse(data, numel)
         out = torch.empty(numel, dtype=torch.float32) if out is None else check_vector(out, numel)
         out.zero_()
@@ -222,10 +268,24 @@ class SparseCodec(Codec):
         return out
 
     def check(self, data, numel: int) -> None:
-        self._parse(data, numel)  # every accepted field decodes to a finite value
+        kernels = self._kernels()
+        if kernels is None:
+            self._parse(data, numel)  # every accepted field decodes to a finite value
+        else:
+            self._decode_native(kernels, checked_payload(self, data, numel)[0], numel)
 
     def support(self, data, numel: int) -> torch.Tensor:
         """Which of the ``numel`` values a (valid) payload keeps, as a bool vector."""
+        kernels = self._kernels()
+        if kernels is None:
+            return self._support_reference(data, numel)
+        raw, _ = checked_payload(self, data, numel)
+        mask = torch.empty(numel, dtype=torch.bool)
+        self._decode_native(kernels, raw, numel, mask=mask)
+        return mask
+
+    def _support_reference(self, data, numel: int) -> torch.Tensor:
+        """``support`` in torch ops."""
         _, indices, _ = self._parse(data, numel)
         mask = torch.zeros(numel, dtype=torch.bool)
         kept_at = 0

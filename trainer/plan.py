@@ -226,7 +226,7 @@ def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
     # codec's average has a format of its own).
     share = (run.peers - 1) / run.peers if run.peers > 1 else 0.0
     sync = {}
-    for name in dict.fromkeys(("fp32", "bf16", "int8", "int4", run.codec)):
+    for name in dict.fromkeys(("fp32", "bf16", "int8", "int4", "sparse", run.codec)):
         c = get_codec(name)
         wire = (c.wire_bytes(shape.params) + c.average.wire_bytes(shape.params)) * share
         seconds = wire * 8 / (hw.link_bps * LINK_EFFICIENCY) + ROUND_TRIPS * hw.rtt

@@ -208,3 +208,14 @@ def test_error_feedback_delivers_what_both_encodings_dropped_over_rounds():
     total = 60 * (targets[0] + targets[1]) / 2
     assert (applied + held - total).norm() / total.norm() < 0.01
     assert (applied - total).norm() / total.norm() > 0.05  # much of it is still held: a real test
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_values_beyond_the_formats_limit_encode_as_the_limit_and_decode(native):
+    codec = SparseCodec(chunk=64, keep=4, native=native)
+    x = torch.zeros(64)
+    x[:3] = torch.tensor([3.4e38, -1e37, 1.0])
+    decoded = torch.empty_like(x)
+    y = codec.decode(codec.encode(x, decoded), 64)
+    assert torch.equal(y, decoded) and torch.isfinite(y).all()
+    assert float(y[0]) == SCALE_LIMIT and float(y[1]) == -SCALE_LIMIT
