@@ -52,7 +52,7 @@ from p2p import native as native_kernels
 from p2p import sparsename
 from p2p.codec import Codec, CodecError, all_finite, check_input, check_vector, checked_payload
 
-# Largest legal lo and step: lo + 127 * step stays below 2^127, far from fp32's limit.
+# Largest legal lo and step: lo + 127 * step is at most 2^127, below fp32's limit.
 SCALE_LIMIT = 2.0**120
 # Chunks per step of the torch code: bounds its temporaries.
 STEP_CHUNKS = 256

@@ -78,7 +78,7 @@ HIVEMIND_CODECS = ["none", "float16"]
 QUICK_GONKA_CODECS = ["fp32", "int8", "fp4"]
 QUICK_HIVEMIND_CODECS = ["none"]
 # --smoke: each system once, lossless, 2 peers, a 256 KB vector (a run of seconds per system).
-SMOKE_GONKA_CODECS = ["fp32"]
+SMOKE_GONKA_CODECS = ["fp32", "sparse"]
 SMOKE_PEERS, SMOKE_PARAMS = 2, 1 << 16
 STARTUP_SLACK = 90.0  # seconds for processes, p2pd and DHT to start and meet, per run
 EXIT_SLACK = 20.0  # the coordinator waits this long past a peer's own timeout
