@@ -264,7 +264,7 @@ class RankFollower:
             return {}
         self.plane.leave(group)
         if h.get("commit"):
-            if group.residual is not None:  # what the round did not deliver of what we sent, for the next one
+            if group.residual_to_write:  # what the round did not deliver of what we sent, for the next one
                 from p2p.exchange import off_loop
 
                 await off_loop(group.write_residual)

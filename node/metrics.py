@@ -38,9 +38,9 @@ REASONS = frozenset({
     "swarm_ahead", "stopping", "member_refused", "digest_mismatch", "unknown_group", "not_a_member",
     "bad_members", "not_waiting", "bad_size", "codec_mismatch", "aborted_by_peer", "peer_failed", "unknown",
     "bad_payload", "non_finite", "duplicate_part", "bad_weight", "bad_lane", "bad_average", "bad_vote",
-    # codecs (p2p/codecs.py, p2p/native.py)
+    # codecs (p2p/codecs.py, p2p/sparsecodec.py, p2p/native.py)
     "non_finite_input", "non_finite_value", "non_finite_scale", "negative_scale", "scale_overflow", "bad_code",
-    "bad_padding",
+    "bad_padding", "bad_index",
     # state transfer (p2p/transfer.py)
     "not_in_swarm", "no_state", "moved_on", "bad_range", "bad_op", "refused", "bad_state_meta", "bad_state_chunk",
     "bad_average", "bad_average_meta", "no_average", "too_many_pieces",

@@ -218,6 +218,13 @@ class Group:
         start, end = self.pieces[self.index][k]
         return self.mine.own_input(start, end, payload)
 
+    @property
+    def residual_to_write(self) -> bool:
+        """A commit has residual work left (``write_residual``): in place, or a residual whose
+        dropped values or decay are settled only then (written as the pieces were encoded otherwise)."""
+        return self.residual is not None and (self.in_place or self.codec.average is not self.codec
+                                              or self.feedback_decay != 1.0)
+
     def write_residual(self) -> None:
         """Once the round committed, before ``committed_average``: the next residual, over ``flat``
         in place (``Contribution.write_residual``): what the codec dropped of what we sent, and

@@ -230,7 +230,7 @@ class RoundProtocol:
             self._leave(group)
         blamed = self.conduct.judge(group)
         seconds = time.monotonic() - gathered
-        if group.residual is not None:  # what the round did not deliver of what we sent, for the next one
+        if group.residual_to_write:  # what the round did not deliver of what we sent, for the next one
             await asyncio.shield(off_loop(group.write_residual))
         self.plane.committed(group)
         if self.shards is not None:
