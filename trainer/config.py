@@ -175,8 +175,10 @@ class InnerConfig:
 class OuterConfig:
     # Outer SGD learning rate applied to the averaged pseudo-gradient.
     lr: float = 0.7
-    # Outer momentum.
-    momentum: float = 0.9
+    # Outer momentum; 0 = plain SGD (with swarm.error_feedback_decay < 1 and a sparse codec,
+    # SparseLoCo's outer step). 0.7 / 0.6 were the best of a sweep at H = 30 and 50
+    # (docs/benchmarks.md#sweep; DiLoCo's 0.7 / 0.9 ended 6-12% higher).
+    momentum: float = 0.6
     # Nesterov momentum (DiLoCo's choice); false = heavy-ball.
     nesterov: bool = True
     # Overlap of the round's all-reduce with the next round's inner steps:

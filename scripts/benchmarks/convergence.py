@@ -10,6 +10,9 @@ may give the data-parallel baseline its own peak lr):
 - DiLoCo again with pseudo-gradients compressed by --codec (default fp4), with
   and without error feedback, through the same encode/average/re-encode
   functions the swarm's all-reduce uses (p2p/compression.py);
+- DiLoCo with the sparse codec(s) of --sparse (default sparse: 1.56% of the
+  values at 2 bits) and SparseLoCo's outer step: plain SGD at --sparse-outer-lr,
+  error feedback decayed by --sparse-decay in the role of the momentum;
 - DiLoCo fp32 with overlapped rounds (--overlap, default eager): each round's
   average lands after --land-after (default 0.5) of the next round's inner
   steps, as on a node whose all-reduce takes half a round, and the local copy
@@ -55,6 +58,10 @@ INNER_LR = 1e-3
 # the trainer's default 0.7 / 0.9 2.290, 1.0 / 0.9 2.281, 0.4 / 0.9 2.372.
 OUTER_LR = 1.0
 OUTER_MOMENTUM = 0.8
+# SparseLoCo's step for the sparse runs: the best of the sweep (docs/benchmarks.md#sweep: 4 workers,
+# H = 30, 35 rounds; lr 3 1.859, 4 1.815, 6 1.870 at decay 0.95; decay 0.99 1.888).
+SPARSE_OUTER_LR = 4.0
+SPARSE_DECAY = 0.95
 
 
 # Inner-loop memory modes (trainer/memory.py) the benchmark compares with fp32 masters.
@@ -81,6 +88,13 @@ def add_arguments(group) -> None:
     group.add_argument("--outer-lr", type=float, default=OUTER_LR, help=f"DiLoCo outer lr (default {OUTER_LR})")
     group.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
                        help=f"DiLoCo outer Nesterov momentum (default {OUTER_MOMENTUM})")
+    group.add_argument("--sparse", default="sparse",
+                       help="comma list of sparse codecs run with SparseLoCo's outer step; 'none' for none "
+                            "(default sparse)")
+    group.add_argument("--sparse-outer-lr", type=float, default=SPARSE_OUTER_LR,
+                       help=f"outer lr of the sparse runs (default {SPARSE_OUTER_LR})")
+    group.add_argument("--sparse-decay", type=float, default=SPARSE_DECAY,
+                       help=f"error feedback's decay in the sparse runs (default {SPARSE_DECAY})")
     group.add_argument("--overlap", default="eager",
                        help="comma list of overlap modes (delayed, eager) run as extra fp32 DiLoCo curves; "
                             "'none' for none (default eager)")
@@ -125,6 +139,14 @@ def _defaults(args) -> None:
     if bad:
         raise SystemExit(f"convergence: --memory-modes: {bad[0]!r} is not one of {', '.join(MEMORY_MODES)} or none")
     args.memory_mode_list = mem
+    args.sparse_list = [] if args.sparse.strip() == "none" else [c.strip() for c in args.sparse.split(",") if c.strip()]
+    for name in args.sparse_list:
+        try:
+            get_codec(name)
+        except ValueError as e:
+            raise SystemExit(f"convergence: --sparse: {e}") from None
+    if not 0 < args.sparse_decay <= 1:
+        raise SystemExit("convergence: --sparse-decay must be in (0, 1]")
     if not 0.0 <= args.land_after <= 1.0:
         raise SystemExit("convergence: --land-after must be in [0, 1]")
 
@@ -166,6 +188,10 @@ def run(args: argparse.Namespace) -> dict:
                              wrap=lambda i, m: CompressingMember(m, codec, k, feedback=True))
     no_feedback_loss = diloco(f"diloco_{codec.name}", k, outer,
                               wrap=lambda i, m: CompressingMember(m, codec, k, feedback=False))
+    sparse_outer = OuterConfig(lr=args.sparse_outer_lr, momentum=0.0, nesterov=False)
+    sparse_runs = {name: diloco(f"diloco_{name}_sparseloco", k, sparse_outer,
+                                wrap=lambda i, m, c=get_codec(name): CompressingMember(m, c, k, decay=args.sparse_decay))
+                   for name in args.sparse_list}
     overlapped = {mode: diloco(f"diloco_{mode}", k, dataclasses.replace(outer, overlap=mode))
                   for mode in args.overlap_modes}
     in_memory_modes = {mode: diloco(f"diloco_{mode}", k, outer, memory=MEMORY_MODES[mode])
@@ -190,6 +216,12 @@ def run(args: argparse.Namespace) -> dict:
     params = sum(p.numel() for p in ddp.holder.global_params)
     per_sync = 2 * (k - 1) / k * params * 4
     per_sync_compressed = 2 * (k - 1) / k * codec.wire_bytes(params)
+
+    def sparse_bytes(name: str) -> float:
+        """Bytes a worker sends per sync with a sparse codec: its input to the other owners and
+        its part's average (another format) to the other members."""
+        c = get_codec(name)
+        return (k - 1) / k * (c.wire_bytes(params) + c.average.wire_bytes(params))
     result = {
         "workers": k,
         "inner_steps": H,
@@ -215,6 +247,9 @@ def run(args: argparse.Namespace) -> dict:
         "diloco_compressed_eval_loss": compressed_loss,
         "diloco_no_feedback_eval_loss": no_feedback_loss,
         "diloco_compressed_bytes_per_worker": int(per_sync_compressed * R),
+        **{f"diloco_{c}_eval_loss": loss for c, loss in sparse_runs.items()},
+        **{f"{c}_vs_uncompressed_loss": loss / diloco_loss - 1 for c, loss in sparse_runs.items()},
+        **{f"diloco_{c}_bytes_per_worker": int(sparse_bytes(c) * R) for c in sparse_runs},
         **{f"diloco_{m}_eval_loss": loss for m, loss in overlapped.items()},
         **{f"{m}_vs_uncompressed_loss": loss / diloco_loss - 1 for m, loss in overlapped.items()},
         **{f"diloco_{m}_eval_loss": loss for m, loss in in_memory_modes.items()},
@@ -247,6 +282,8 @@ def run(args: argparse.Namespace) -> dict:
         {"run": f"diloco {codec.name}, no feedback", "eval_loss": no_feedback_loss, "tokens": result["tokens"],
          "bytes_per_worker": result["diloco_compressed_bytes_per_worker"]},
     ]
+    result["rows"] += [{"run": f"diloco {c} + SparseLoCo step", "eval_loss": loss, "tokens": result["tokens"],
+                        "bytes_per_worker": result[f"diloco_{c}_bytes_per_worker"]} for c, loss in sparse_runs.items()]
     result["rows"] += [{"run": f"diloco, {m} overlap", "eval_loss": loss, "tokens": result["tokens"],
                         "bytes_per_worker": result["diloco_bytes_per_worker"]} for m, loss in overlapped.items()]
     result["rows"] += [{"run": f"diloco, {m} inner loop", "eval_loss": loss, "tokens": result["tokens"],

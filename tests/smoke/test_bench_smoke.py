@@ -71,7 +71,7 @@ SPECS: dict[str, dict] = {
                         systems=("run", {"diloco", "ddp", "single", "diloco fp4 + error feedback",
                                          "diloco fp4, no feedback", "diloco, eager overlap",
                                          "diloco, bf16 inner loop", "diloco, 8bit inner loop",
-                                         "diloco, bf16+8bit inner loop"})),
+                                         "diloco, bf16+8bit inner loop", "diloco sparse + SparseLoCo step"})),
     "sweep": dict(positive=["eval_loss", "x_fp32", "bytes_each_way"], systems=("codec", {"fp32", "sparse"})),
     "dataloader": dict(positive=["batches", "samples_s", "Mtokens_s", "rss_start_MB", "rss_end_MB", "rss_peak_MB"],
                        finite=["rss_growth_MB"], systems=("source", {"mmap", "in_memory"})),
