@@ -120,13 +120,15 @@ async def test_a_negative_weight_aborts_the_attempt_and_the_others_commit_withou
         await stop_peers(peers)
 
 
-@pytest.mark.parametrize("span", [None, 1024], ids=["whole_piece", "in_ranges"])
-async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same_round(span, monkeypatch):
+@pytest.mark.parametrize("span, codec", [(None, "fp32"), (1024, "fp32"), (None, "sparse-c64-k8")],
+                         ids=["whole_piece", "in_ranges", "sparse"])
+async def test_an_owner_that_alters_its_slice_is_caught_by_the_audit_in_the_same_round(span, codec, monkeypatch):
     # All three in the first group (min_peers=3), so the audit of the altered part happens in it.
-    # in_ranges: the auditor fetches each input in 1 KiB ranges (p2p/audit.py AUDIT_SPAN).
+    # in_ranges: the auditor fetches each input in 1 KiB ranges (p2p/audit.py AUDIT_SPAN). sparse:
+    # the auditor decodes sparse inputs and recomputes the owner's re-sparsified average.
     if span:
         monkeypatch.setattr(audit, "AUDIT_SPAN", span)
-    peers = sorted(await start_peers(3, min_peers=3, **STEADY), key=lambda p: p[0].peer_id)
+    peers = sorted(await start_peers(3, min_peers=3, codec=codec, **STEADY), key=lambda p: p[0].peer_id)
     try:
         rounds = [r for _, r, _ in peers]
         await settle(peers)
