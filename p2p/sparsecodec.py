@@ -143,7 +143,8 @@ class SparseCodec(Codec):
         if numel > full:
             yield full, 1, numel - full
 
-    def _kernels(self) -> native_kernels.CodecKernels | None:
+    def kernels(self) -> native_kernels.CodecKernels | None:
+        """The C kernels (built or loaded on the first call: the node calls this at start), or None."""
         return native_kernels.kernels() if self.native else None
 
     # ---- encode --------------------------------------------------------------------
@@ -152,7 +153,7 @@ class SparseCodec(Codec):
         check_input(x)
         if decoded is not None:
             check_vector(decoded, x.numel(), "encode decoded=")
-        kernels = self._kernels()
+        kernels = self.kernels()
         if kernels is None:
             return self._encode_reference(x, decoded)
         out = torch.empty(self.wire_bytes(x.numel()), dtype=torch.uint8)
@@ -243,7 +244,7 @@ class SparseCodec(Codec):
             raise CodecError(reason)
 
     def decode(self, data, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        kernels = self._kernels()
+        kernels = self.kernels()
         if kernels is None:
             return self._decode_reference(data, numel, out)
         raw, _ = checked_payload(self, data, numel)
@@ -268,7 +269,7 @@ class SparseCodec(Codec):
         return out
 
     def check(self, data, numel: int) -> None:
-        kernels = self._kernels()
+        kernels = self.kernels()
         if kernels is None:
             self._parse(data, numel)  # every accepted field decodes to a finite value
         else:
@@ -276,7 +277,7 @@ class SparseCodec(Codec):
 
     def support(self, data, numel: int) -> torch.Tensor:
         """Which of the ``numel`` values a (valid) payload keeps, as a bool vector."""
-        kernels = self._kernels()
+        kernels = self.kernels()
         if kernels is None:
             return self._support_reference(data, numel)
         raw, _ = checked_payload(self, data, numel)
