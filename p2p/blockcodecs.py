@@ -30,13 +30,10 @@ from __future__ import annotations
 import torch
 
 from p2p import native as native_kernels
-from p2p.codec import Codec, CodecError, all_finite, check_input, check_vector, checked_payload
+from p2p.codec import (SCALE_LIMIT, Codec, CodecError, all_finite, check_input, check_scales, check_vector,
+                       checked_payload)
 
 DEFAULT_BLOCK_SIZE = 256
-# Largest legal block scale. A power of two far above any pseudo-gradient, and
-# small enough that scale * 127 stays finite, so a scale a hostile peer picks
-# can never decode to Inf.
-SCALE_LIMIT = 2.0**120
 # Elements per encode/decode step: bounds the temporaries (a few times 16 MB)
 # while keeping the number of torch ops small. Measured on 2 shared cores:
 # when training competes for the cores each op pays a scheduling delay, and
@@ -125,12 +122,7 @@ class BlockCodec(Codec):
         raw, _ = checked_payload(self, data, numel)
         nblocks = -(-numel // self.block_size)
         scales, codes = raw[: 4 * nblocks].view(torch.float32), raw[4 * nblocks :]
-        if not torch.isfinite(scales).all():
-            raise CodecError("non_finite_scale")
-        if (scales < 0).any():
-            raise CodecError("negative_scale")
-        if (scales > SCALE_LIMIT).any():
-            raise CodecError("scale_overflow")
+        check_scales(scales)
         return scales, codes
 
     def decode(self, data: bytes | bytearray | memoryview, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:

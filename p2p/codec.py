@@ -107,6 +107,22 @@ class Codec(abc.ABC):
         self.decode(data, numel)
 
 
+# Largest legal scale of any codec's payload (block scales; the sparse codec's lo and step): a power
+# of two far above any pseudo-gradient, and small enough that a scale times the largest level
+# (127) stays finite, so a scale a hostile peer picks can never decode to Inf.
+SCALE_LIMIT = 2.0**120
+
+
+def check_scales(scales: torch.Tensor) -> None:
+    """Raise CodecError unless every scale of a payload is finite, >= 0 and <= ``SCALE_LIMIT``."""
+    if not torch.isfinite(scales).all():
+        raise CodecError("non_finite_scale")
+    if (scales < 0).any():
+        raise CodecError("negative_scale")
+    if (scales > SCALE_LIMIT).any():
+        raise CodecError("scale_overflow")
+
+
 def all_finite(values: torch.Tensor) -> bool:
     """True if no value is NaN or Inf."""
     # A sum is non-finite whenever a term is, and is far cheaper than an

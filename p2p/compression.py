@@ -61,6 +61,14 @@ def owned_bounds(numel: int, owns: list[bool]) -> list[tuple[int, int]]:
     return bounds
 
 
+def exchange_bytes(codec: Codec, numel: int, peers: int) -> float:
+    """Bytes one peer sends per round in a butterfly of ``peers`` owners (as many again it
+    receives), averaged over the peers: its input to the other owners' parts and its own part's
+    average (``Codec.average``) to the other members, (peers - 1)/peers of both over the vector."""
+    parts = part_bounds(numel, peers)
+    return sum(codec.wire_bytes(e - s) + codec.average.wire_bytes(e - s) for s, e in parts) * (peers - 1) / peers
+
+
 def piece_bounds(start: int, end: int, codec: Codec, piece_elems: int) -> list[tuple[int, int]]:
     """Split the part [start, end) into pieces of ``piece_elems`` values, rounded down to whole codec
     blocks (at least one block); the last piece takes the rest. An empty part has no pieces."""

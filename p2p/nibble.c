@@ -24,7 +24,7 @@ enum { KIND_INT4 = 0, KIND_FP4 = 1 };
 enum { OK = 0, NON_FINITE_INPUT, NON_FINITE_SCALE, NEGATIVE_SCALE, SCALE_OVERFLOW, BAD_CODE, BAD_PADDING, BAD_INDEX };
 enum { BAD_ARGUMENT = -1, NO_MEMORY = -2 };
 
-#define SCALE_LIMIT 0x1p120f /* p2p.codecs.SCALE_LIMIT */
+#define SCALE_LIMIT 0x1p120f /* p2p.codec.SCALE_LIMIT */
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 /* One build for any x86-64 host: the AVX2 version is picked at load time where the CPU has it. */

@@ -50,10 +50,9 @@ import torch
 
 from p2p import native as native_kernels
 from p2p import sparsename
-from p2p.codec import Codec, CodecError, all_finite, check_input, check_vector, checked_payload
-
-# Largest legal lo and step: lo + 127 * step is at most 2^127, below fp32's limit.
-SCALE_LIMIT = 2.0**120
+# SCALE_LIMIT is the largest legal lo and step: lo + 127 * step is at most 2^127, below fp32's limit.
+from p2p.codec import (SCALE_LIMIT, Codec, CodecError, all_finite, check_input, check_scales, check_vector,
+                       checked_payload)
 # Chunks per step of the torch code: bounds its temporaries.
 STEP_CHUNKS = 256
 
@@ -219,12 +218,7 @@ class SparseCodec(Codec):
         raw, _ = checked_payload(self, data, numel)
         chunks, count, index_bytes, _ = self._layout(numel)
         scales = raw[: 8 * chunks].view(torch.float32)
-        if not torch.isfinite(scales).all():
-            raise CodecError("non_finite_scale")
-        if (scales < 0).any():
-            raise CodecError("negative_scale")
-        if (scales > SCALE_LIMIT).any():
-            raise CodecError("scale_overflow")
+        check_scales(scales)
         indices = _unpack(raw[8 * chunks : 8 * chunks + index_bytes], count, self.index_bits)
         codes = _unpack(raw[8 * chunks + index_bytes :], count, self.bits)
         at = 0

@@ -216,6 +216,7 @@ def loss_bytes(shape: Shape, tokens: int, chunk: int, act_bytes: float) -> float
 def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
              modes: tuple[Mode, ...] = MODES) -> Plan:
     from p2p.codecs import get_codec
+    from p2p.compression import exchange_bytes
 
     shape = shape or model_shape(source, hw.nproc)
     gpu_side = hw.device == "cuda"
@@ -224,11 +225,9 @@ def plan_run(source: str, hw: Hardware, run: Run, *, shape: Shape | None = None,
     # Sync: each peer sends its encoded vector's parts to their owners and the averaged parts
     # back: (M-1)/M of the encoded model each way (the butterfly of p2p/group.py; a sparse
     # codec's average has a format of its own).
-    share = (run.peers - 1) / run.peers if run.peers > 1 else 0.0
     sync = {}
     for name in dict.fromkeys(("fp32", "bf16", "int8", "int4", "sparse", run.codec)):
-        c = get_codec(name)
-        wire = (c.wire_bytes(shape.params) + c.average.wire_bytes(shape.params)) * share
+        wire = exchange_bytes(get_codec(name), shape.params, run.peers) if run.peers > 1 else 0.0
         seconds = wire * 8 / (hw.link_bps * LINK_EFFICIENCY) + ROUND_TRIPS * hw.rtt
         sync[name] = {"bytes_per_peer": wire, "seconds": seconds}
     codec = get_codec(run.codec)

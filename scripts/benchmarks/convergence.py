@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from p2p.codecs import get_codec
-from p2p.compression import CompressingMember
+from p2p.compression import CompressingMember, exchange_bytes
 from trainer.baselines import DataParallel
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import load_corpus
@@ -217,11 +217,6 @@ def run(args: argparse.Namespace) -> dict:
     per_sync = 2 * (k - 1) / k * params * 4
     per_sync_compressed = 2 * (k - 1) / k * codec.wire_bytes(params)
 
-    def sparse_bytes(name: str) -> float:
-        """Bytes a worker sends per sync with a sparse codec: its input to the other owners and
-        its part's average (another format) to the other members."""
-        c = get_codec(name)
-        return (k - 1) / k * (c.wire_bytes(params) + c.average.wire_bytes(params))
     result = {
         "workers": k,
         "inner_steps": H,
@@ -249,7 +244,8 @@ def run(args: argparse.Namespace) -> dict:
         "diloco_compressed_bytes_per_worker": int(per_sync_compressed * R),
         **{f"diloco_{c}_eval_loss": loss for c, loss in sparse_runs.items()},
         **{f"{c}_vs_uncompressed_loss": loss / diloco_loss - 1 for c, loss in sparse_runs.items()},
-        **{f"diloco_{c}_bytes_per_worker": int(sparse_bytes(c) * R) for c in sparse_runs},
+        # What a worker sends per sync: its input to the other owners, its part's average to the others.
+        **{f"diloco_{c}_bytes_per_worker": int(exchange_bytes(get_codec(c), params, k) * R) for c in sparse_runs},
         **{f"diloco_{m}_eval_loss": loss for m, loss in overlapped.items()},
         **{f"{m}_vs_uncompressed_loss": loss / diloco_loss - 1 for m, loss in overlapped.items()},
         **{f"diloco_{m}_eval_loss": loss for m, loss in in_memory_modes.items()},

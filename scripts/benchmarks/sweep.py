@@ -68,10 +68,9 @@ def wire_ratios(codec, numel: int, k: int) -> tuple[float, int]:
     and its part's average to the k - 1 other members, and receives as much, so up and down
     are both (k - 1)/k x (input + average) of the whole vector (2 (k - 1)/k x 4 bytes a value
     in fp32)."""
-    from p2p.compression import part_bounds
+    from p2p.compression import exchange_bytes
 
-    parts = part_bounds(numel, k)
-    way = sum(codec.wire_bytes(e - s) + codec.average.wire_bytes(e - s) for s, e in parts) * (k - 1) / k
+    way = exchange_bytes(codec, numel, k)
     return 2 * 4 * numel * (k - 1) / k / way, int(way)
 
 
