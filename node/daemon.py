@@ -54,6 +54,23 @@ def run_node(config: Config, injection: FaultInjection | None = None) -> int:
         return EXIT_OK
 
 
+def member_weight_cap(config: Config) -> float:
+    """A member's weight counts at most twice the round-token budget, or (0: no budget) twice the
+    members' median weight (p2p/aggregate.py capped_weights)."""
+    return 2.0 * config.inner.round_tokens
+
+
+def fingerprint_terms(config: Config) -> tuple[str, str]:
+    """(codec, round rules): what a node's run fingerprint covers besides what its worker knows
+    (``DiLoCoWorker.fingerprint``); with them the simulator derives a node's run key."""
+    from p2p.codecs import get_codec
+
+    cap = member_weight_cap(config)
+    # The codec's canonical name: sparse-c4096 and sparse are one format.
+    return (get_codec(config.swarm.codec).name,
+            f"agg={config.swarm.aggregator},cap={int(cap) if cap else 'relative'}")
+
+
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -250,22 +267,19 @@ class Node:
         self.metrics.set_info(self.swarm.peer_id, cfg.node.run_id, self.status.version)
 
         await self.compute.start()
-        # A member's weight counts at most twice the round-token budget, or (no budget) twice the
-        # members' median weight (p2p/aggregate.py capped_weights).
-        weight_cap = 2.0 * cfg.inner.round_tokens
+        weight_cap = member_weight_cap(cfg)
         self.worker = await self._start_worker(corpus, device, checkpoint)
         # Hashes the byte corpus (up to 64 MiB) the first time: off the event loop.
-        rules = f"agg={cfg.swarm.aggregator},cap={int(weight_cap) if weight_cap else 'relative'}"
-        from p2p.codecs import get_codec
-
-        codec = get_codec(cfg.swarm.codec).name  # canonical: sparse-c4096 and sparse are one format
-        fingerprint = await self.compute(self.worker.fingerprint, codec, rules)
+        fingerprint = await self.compute(self.worker.fingerprint, *fingerprint_terms(cfg))
         genesis = self.worker.init_hash  # θ as built, before any checkpoint was loaded
         if checkpoint is not None:
             self.checkpoints.check_fingerprint(checkpoint, fingerprint)
         await self.swarm.set_fingerprint(fingerprint)
         log.info("run fingerprint %s (%s)", fingerprint.digest[:16],
                  ", ".join(f"{k}={v}" for k, v in fingerprint.parts.items()))
+        # Which batches a member trains on in a round follows from the run, its peer id and the
+        # round (trainer/data.py): every peer can reconstruct them. Every rank of a host too.
+        await self.compute(self.worker.assign_data, fingerprint.digest)
         commits = CommitLog(self.swarm.scope, genesis)
         rounds = RoundProtocol(self.swarm, self.metrics, commits, weight_cap=weight_cap,
                                faults=self.injection.faults, hostile=self.injection.hostile)

@@ -210,8 +210,17 @@ class RankFollower:
 
     # ---- training ------------------------------------------------------------------------
 
+    async def _op_assign_data(self, h: dict) -> dict:
+        self.worker.assign_data(str(h["key"]))
+        return {}
+
     async def _op_inner_steps(self, h: dict) -> dict:
-        stats = await self.compute(self.worker.inner_steps, int(h["n"]), None)
+        def train():
+            if "round" in h:  # the round rank 0 trains for, and its step in it (node/ranks.py)
+                self.worker.train_for(int(h["round"]), int(h["step"]))
+            return self.worker.inner_steps(int(h["n"]), None)
+
+        stats = await self.compute(train)
         loss_sum = stats.mean_loss * stats.steps if stats.steps else 0.0
         return {"steps": stats.steps, "tokens": stats.tokens, "loss_sum": loss_sum, "seconds": stats.seconds}
 
@@ -238,7 +247,7 @@ class RankFollower:
 
         gid = h["g"]
         group = self.plane.new_group(gid, int(h["r"]), list(h["members"]), self.flat, float(h["w"]),
-                                     lanes=int(h["lanes"]), owners=h.get("owners"))
+                                     lanes=int(h["lanes"]), owners=h.get("owners"), factors=h.get("factors"))
         self.plane.install(group)
         self.groups[gid] = group
         deadline = asyncio.get_running_loop().time() + float(h["t"])

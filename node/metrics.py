@@ -51,7 +51,7 @@ REASONS = frozenset({
     "fingerprint_mismatch",
     "peer_table_full",
     # trust: closed swarms, owner-bound records, certificates, bounded influence, quarantine
-    "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "quarantined",
+    "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "bad_entry", "quarantined",
     "uncertified_state", "no_quorum", "state_mismatch", "bad_evidence", "no_certificate", "certificate_without_quorum", "chain_breaks", "hostile",
     "aborted", "aborted_again", "silent_leader", "shunned",
     "record_malformed", "record_other_key", "record_plain_value", "record_oversized", "record_unsigned",

@@ -191,7 +191,7 @@ class HostShards:
         try:
             replies = await self.ranks.request("reduce", g=group.id, r=group.round, members=group.members,
                                                w=group.weight, t=seconds, lanes=group.lanes_per_part,
-                                               owners=group.owners)
+                                               owners=group.owners, factors=group.factors)
         except RankLost as e:
             raise RoundFailed("rank_lost", str(e)) from None
         digests = []
@@ -235,8 +235,18 @@ class HostWorker:
     def params_hash(self) -> str:
         return combined_hash([self.local.params_hash(), *self._hashes])
 
+    def assign_data(self, run_key: str) -> None:
+        """Every rank draws its batches by the run's fingerprint digest (each rank by its own
+        shard key, ``<peer id>/rank<k>``). Called off the event loop."""
+        pending = self.ranks.submit("assign_data", key=run_key)
+        self.local.assign_data(run_key)
+        pending.result()
+
     def inner_steps(self, n: int, should_stop=None) -> InnerStats:
-        pending = self.ranks.submit("inner_steps", n=n)
+        # Every rank trains for rank 0's round from rank 0's step in it (``train_for`` is rank
+        # 0's alone): the ranks take the same steps, so their positions stay one.
+        sampler = self.local.sampler
+        pending = self.ranks.submit("inner_steps", n=n, round=sampler.round, step=sampler.step)
         mine = self.local.inner_steps(n, should_stop)
         replies = pending.result()
         losses = [mine.mean_loss * mine.steps] + [r["loss_sum"] for r in replies]

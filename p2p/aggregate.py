@@ -260,6 +260,12 @@ def capped_weights(weights: list[float], cap: float) -> list[float]:
     return [min(w, limit) for w in weights]
 
 
+def counted_weights(weights: list[float], cap: float, factors: list[float]) -> list[float]:
+    """Members' weights as the average counts them: capped (``capped_weights``), then times each
+    member's standing in the ledger (p2p/ledger.py: 1, or less after a flagged round)."""
+    return [w * f for w, f in zip(capped_weights(weights, cap), factors)]
+
+
 def counted_tokens(others: list[int], mine: int) -> int:
     """The other peers' announced progress towards a round-token budget, as this peer counts it:
     each claim at most RELATIVE_WEIGHT_CAP times the median claim (ours included), so one peer

@@ -27,12 +27,14 @@ from typing import Callable
 
 import msgpack
 
+from p2p.ledger import STANDING_ROUNDS, Entry, Standing
 from p2p.records import peer_id_of_public_key, verify_rsa
 
 MAX_MEMBERS = 1024
 MAX_KEY_BYTES = 1024  # a serialized RSA-4096 public key is ~550 bytes
 MAX_SIGNATURE_BYTES = 1024
 MAX_CERTS_PER_REPLY = 4096
+KEPT_ENTRIES = 4 * STANDING_ROUNDS  # ledger entries kept apart from certificates (``CommitLog.record``)
 _HASH_CHARS = 128
 
 
@@ -45,12 +47,19 @@ class CommitCertificate:
     prev: str  # params_hash before the round
     new: str  # params_hash after it
     members: tuple[str, ...]
+    entry: Entry | None = None  # the round's ledger entry (p2p/ledger.py); None in certificates before it
     signatures: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # member -> (public key, signature)
     _valid: set[str] = field(default_factory=set)  # members whose signature was checked and holds
 
+    def __post_init__(self) -> None:
+        assert self.entry is None or (self.entry.round == self.round and self.entry.members == self.members)
+
     def message(self) -> bytes:
-        """What every member signs."""
-        return msgpack.packb(["gonka-commit", self.scope, self.round, self.prev, self.new, list(self.members)])
+        """What every member signs: the round, its states, its members and its ledger entry's digest."""
+        signed = ["gonka-commit", self.scope, self.round, self.prev, self.new, list(self.members)]
+        if self.entry is not None:
+            signed.append(self.entry.digest())
+        return msgpack.packb(signed)
 
     def add(self, member: str, public_key: bytes, signature: bytes) -> bool:
         """Add a member's signature if it verifies; True if it does."""
@@ -75,21 +84,28 @@ class CommitCertificate:
 
     def to_wire(self) -> list:
         return [self.scope, self.round, self.prev, self.new, list(self.members),
-                [[m, pk, sig] for m, (pk, sig) in sorted(self.signatures.items())]]
+                [[m, pk, sig] for m, (pk, sig) in sorted(self.signatures.items())],
+                *([self.entry.to_list()] if self.entry is not None else [])]
 
     @classmethod
     def from_wire(cls, value) -> "CommitCertificate":
         """Parse and check a certificate from a peer (every signature verified); ValueError if malformed."""
-        if not isinstance(value, list) or len(value) != 6:
+        if not isinstance(value, list) or len(value) not in (6, 7):
             raise ValueError("bad_certificate")
-        scope, rnd, prev, new, members, sigs = value
+        scope, rnd, prev, new, members, sigs = value[:6]
         if not (isinstance(scope, str) and len(scope) <= 256 and isinstance(rnd, int) and not isinstance(rnd, bool)
                 and 0 < rnd < 2**53 and all(isinstance(h, str) and len(h) <= _HASH_CHARS for h in (prev, new))
                 and isinstance(members, list) and 0 < len(members) <= MAX_MEMBERS
                 and all(isinstance(m, str) and len(m) <= 128 for m in members) and members == sorted(set(members))
                 and isinstance(sigs, list) and len(sigs) <= len(members)):
             raise ValueError("bad_certificate")
-        cert = cls(scope, rnd, prev, new, tuple(members))
+        try:
+            entry = Entry.from_list(value[6]) if len(value) == 7 else None
+        except ValueError:
+            raise ValueError("bad_certificate") from None
+        if entry is not None and (entry.round != rnd or list(entry.members) != members):
+            raise ValueError("bad_certificate")
+        cert = cls(scope, rnd, prev, new, tuple(members), entry)
         for item in sigs:
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
                     and isinstance(item[1], bytes) and isinstance(item[2], bytes)):
@@ -130,6 +146,9 @@ class CommitLog:
         self.max_certs = max_certs
         self.certs: dict[int, CommitCertificate] = {}
         self.trusted: dict[int, str] = {0: genesis}  # round -> params_hash of states this node held
+        # Ledger entries of the last rounds of the state held (p2p/ledger.py): our own as we
+        # committed them (before their certificates hold), or those of certificates we adopted.
+        self.entries: dict[int, Entry] = {}
 
     def hold(self, round: int, params_hash: str) -> None:
         """This node now holds (computed or verified) the state ``params_hash`` at ``round``."""
@@ -137,11 +156,26 @@ class CommitLog:
         for r in [r for r in self.trusted if r > round]:  # a state we replaced is not ours any more
             del self.trusted[r]
             self.certs.pop(r, None)
+        for r in [r for r in self.entries if r > round]:
+            del self.entries[r]
 
     def add(self, cert: CommitCertificate) -> None:
         self.certs[cert.round] = cert
         while len(self.certs) > self.max_certs:
             del self.certs[min(self.certs)]
+        if cert.entry is not None:
+            self.record(cert.entry)
+
+    def record(self, entry: Entry) -> None:
+        """The ledger entry of a round this node committed or adopted (the last few are kept)."""
+        self.entries[entry.round] = entry
+        for r in [r for r in self.entries if r <= entry.round - KEPT_ENTRIES]:
+            del self.entries[r]
+
+    def standing(self, round: int) -> Standing:
+        """What the entries of the STANDING_ROUNDS rounds up to ``round`` (the state a round starts
+        from) say of each peer (``ledger.Standing``)."""
+        return Standing(self.entries[r] for r in range(round - STANDING_ROUNDS + 1, round + 1) if r in self.entries)
 
     def after(self, round: int, limit: int = MAX_CERTS_PER_REPLY) -> list[CommitCertificate]:
         """Our certificates of rounds after ``round`` (oldest first), at most ``limit``."""
@@ -156,14 +190,16 @@ class CommitLog:
 
     def state_dict(self) -> dict:
         return {"trusted": {str(r): h for r, h in self.trusted.items()},
-                "certs": [c.to_wire() for c in self.certs.values()]}
+                "certs": [c.to_wire() for c in self.certs.values()],
+                "entries": [e.to_list() for e in self.entries.values()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.trusted = {int(r): h for r, h in state.get("trusted", {}).items()}
-        self.certs = {}
+        self.certs, self.entries = {}, {}
+        for wire in state.get("entries", []):
+            self.record(Entry.from_list(wire))
         for wire in state.get("certs", []):
-            cert = CommitCertificate.from_wire(wire)
-            self.certs[cert.round] = cert
+            self.add(CommitCertificate.from_wire(wire))
 
 
 def encode_certs(certs: list[CommitCertificate]) -> bytes:

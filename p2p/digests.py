@@ -2,7 +2,7 @@
 
 An owner sends each averaged piece with a *declaration* of its inputs: every member's
 weight as received and a hash of the encoded piece it sent (``DECLARED``, in member
-order). Every member hashes each piece as it was sent together with that declaration
+order), then the inner products of the decoded inputs (p2p/scores.py). Every member hashes each piece as it was sent together with that declaration
 (``piece_digest``) and votes on one keyed hash over all of them, in vector order, bound
 to the group (``digest``). Equal votes mean every member holds the same bytes of every
 piece and the same declarations, which an audit can then check against the inputs
@@ -39,9 +39,15 @@ def input_hash(payload: bytes | bytearray | memoryview) -> bytes:
     return hashlib.sha256(payload).digest()[:16]
 
 
-def parse_declaration(declared: bytes) -> list[tuple[float, bytes]]:
-    """A declaration's entries, in member order: (weight, input hash)."""
-    return [DECLARED.unpack_from(declared, o) for o in range(0, len(declared), DECLARED.size)]
+def parse_declaration(declared: bytes, members: int) -> list[tuple[float, bytes]]:
+    """A declaration's entries, in member order: (weight, input hash). The rest of it is the
+    piece's Gram matrix (p2p/scores.py, ``declared_gram``)."""
+    return [DECLARED.unpack_from(declared, o) for o in range(0, DECLARED.size * members, DECLARED.size)]
+
+
+def declared_gram(declared: bytes, members: int) -> bytes:
+    """The Gram matrix of the piece's inputs that follows the entries (p2p/scores.py)."""
+    return declared[DECLARED.size * members:]
 
 
 def digest(piece_digests: list[bytes], group_id: bytes) -> bytes:

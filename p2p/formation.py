@@ -35,6 +35,7 @@ import torch
 from p2p.gathering import Gathering, Look, Proposal, expected_leader
 from p2p.group import Group
 from p2p.lanes import lanes_for_rtt
+from p2p.ledger import Standing
 from p2p.limits import BoundedDict
 from p2p.quorum import live_peers
 from p2p.wire import WireError, field as hfield, reply
@@ -65,7 +66,10 @@ class GroupFormation:
     """``form(wait)``: the group this peer averages in; see the module docstring."""
 
     def __init__(self, swarm, plane, conduct, votes, reachability, metrics, *,
-                 call: Callable[..., Awaitable], background: Callable[[Awaitable], None]) -> None:
+                 call: Callable[..., Awaitable], background: Callable[[Awaitable], None],
+                 standing: Callable[[int], Standing] = lambda round: Standing(())) -> None:
+        """``standing(round)``: what the ledger's last entries up to ``round`` say of each peer
+        (p2p/ledger.py): its weight in the group, or that it is left out."""
         cfg = swarm.config
         self.swarm = swarm
         self.plane = plane  # p2p/shard.py: makes, installs and leaves the groups
@@ -74,6 +78,7 @@ class GroupFormation:
         self.reachability = reachability
         self.metrics = metrics
         self._call = call  # (peer, request name, header) -> (reply header, payload)
+        self.standing = standing
         self._background = background
         self.min_peers = cfg.min_peers
         self.gather_timeout = cfg.gather_timeout
@@ -110,13 +115,14 @@ class GroupFormation:
         reported = started
         self.hints.retain(lambda p, r: r[0] >= round)
         # Hint at once from the last table read; the fresh read below corrects the guess if needed.
-        hinted_to = self._hint_leader(self.conduct.grouping(self.swarm.peers), round, None)
+        left_out = self.standing(round).left_out() - {self.swarm.peer_id}
+        hinted_to = self._hint_leader(self._grouping(self.swarm.peers, left_out), round, None)
         woken = False
         while True:
             # Woken by a peer's hint: the table read a moment ago is fresh enough.
             table = await self.swarm.refresh_peers(max_age=POLL_SECONDS if woken else 0.0)
             now = time.monotonic()
-            look = Look(table, self.conduct.grouping(table),
+            look = Look(table, self._grouping(table, left_out),
                         frozenset(p for p, r in self.hints.items() if r == (round, state)),
                         frozenset(self.conduct.not_vouching(table, now)), self.swarm.table_fresh,
                         self.reachability.reachable is True)
@@ -155,6 +161,10 @@ class GroupFormation:
                 return self.waiting.group.result()
             woken = self._wake.is_set()
 
+    def _grouping(self, table: dict, left_out: set[str]) -> dict:
+        """The peers we would group with (``Conduct.grouping``), less those the ledger leaves out."""
+        return {p: r for p, r in self.conduct.grouping(table).items() if p not in left_out}
+
     def _hint_leader(self, peers: dict, round: int, hinted_to: str | None, ready=()) -> str | None:
         """Hint the peer expected to lead ``round`` (unless that is us or it was hinted already); returns it."""
         expected = expected_leader(self.swarm.peer_id, round, peers, ready, self.reachability.reachable is True)
@@ -183,6 +193,7 @@ class GroupFormation:
             self.hints.pop(p, None)
         header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
                   "codec": self.plane.codec.name, "h": waiting.state, "lanes": lanes,
+                  "sd": self.standing(round).digest(members),
                   **({"owners": owners} if owners else {})}
         results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
         refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
@@ -204,7 +215,8 @@ class GroupFormation:
     def _new_group(self, gid: bytes, round: int, members: list[str], waiting: Wait, lanes: int,
                    owners: list[str] | None) -> Group:
         group = self.plane.new_group(gid, round, members, waiting.flat, waiting.weight,
-                                     residual_added=waiting.donated, lanes=lanes, owners=owners)
+                                     residual_added=waiting.donated, lanes=lanes, owners=owners,
+                                     factors=self.standing(round).factors(members))
         group.rtt = self._farthest(members)  # deadlines grow with it (p2p/deadline.py)
         return group
 
@@ -234,7 +246,8 @@ class GroupFormation:
             await reply(writer, {"ok": False, "reason": "not_waiting"})
             return
         refused = begin.refusal(numel=waiting.flat.numel(), state=waiting.state, codec=self.plane.codec.name,
-                                live=live_peers(self.swarm.peers, self.swarm.peer_id), min_peers=self.min_peers)
+                                live=live_peers(self.swarm.peers, self.swarm.peer_id), min_peers=self.min_peers,
+                                standing=self.standing(begin.round))
         if refused:
             if refused == "no_quorum":
                 log.info("round %d: refusing a group of %d from %s: %s", begin.round + 1, len(begin.members),

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from p2p.failure import RoundFailed
 from p2p.lanes import MAX_LANES
+from p2p.ledger import Standing
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
 from p2p.wire import WireError, field as hfield
 
@@ -166,6 +167,7 @@ class Proposal:
     lanes: int
     codec: object  # the codec's name, as sent
     state: object  # the params_hash the members' pseudo-gradients come from, as sent
+    standing: object  # ``Standing.digest`` of the members' weights in the leader's ledger, as sent
 
     @classmethod
     def parse(cls, sender: str, header: dict, me: str) -> "Proposal":
@@ -184,12 +186,14 @@ class Proposal:
             raise WireError("bad_field", "owners")
         if sender != (owners or members)[0] or me not in members:
             raise RoundFailed("not_a_member")
-        return cls(round, gid, members, owners, numel, lanes, header.get("codec"), header.get("h"))
+        return cls(round, gid, members, owners, numel, lanes, header.get("codec"), header.get("h"), header.get("sd"))
 
-    def refusal(self, *, numel: int, state: str, codec: str, live: set[str], min_peers: int) -> str:
+    def refusal(self, *, numel: int, state: str, codec: str, live: set[str], min_peers: int,
+                standing: Standing | None = None) -> str:
         """Why a member waiting in this round with ``numel`` values from ``state`` ("": not
-        checked), with ``codec``, seeing ``live`` peers, refuses the group ("": it accepts).
-        A vector of another size is a lie (RoundFailed ``bad_size``)."""
+        checked), with ``codec``, seeing ``live`` peers, its ledger's ``standing`` (None: not
+        checked), refuses the group ("": it accepts). A vector of another size is a lie
+        (RoundFailed ``bad_size``)."""
         if self.numel != numel:
             raise RoundFailed("bad_size")
         ok, reason = accept_group(self.members, live, min_peers)
@@ -199,4 +203,9 @@ class Proposal:
             return "codec_mismatch"
         if state and self.state != state:  # another lineage of this round number
             return "state_mismatch"
+        if standing is not None:
+            if standing.left_out() & set(self.members):
+                return "left_out_by_ledger"
+            if self.standing != standing.digest(self.members):  # the members' weights would differ
+                return "standing_mismatch"
         return ""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p.aborts import Aborts
-from p2p.aggregate import capped_weights
+from p2p.aggregate import counted_weights
 from p2p.codec import Codec, CodecError
 from p2p.compression import CommittedAverage, average_part, owned_bounds, piece_bounds
 from p2p.contribution import Contribution
@@ -47,6 +47,8 @@ from p2p.hostile import HONEST, Behaviour
 from p2p.lanes import LANES, MAX_LANES
 from p2p.ownedpart import OwnedPart
 from p2p.owneraudit import OwnerAudit
+from p2p.ledger import Entry, build_entry
+from p2p.scores import member_scores, piece_gram, total_gram
 
 # Values per piece (rounded down to whole codec blocks): 1 MB of fp32, 256 KB
 # of int8, 128 KB of a 4-bit codec. Measured on the 4-host 100 Mbit/s testbed
@@ -87,6 +89,9 @@ class Group:
     # no two such members ever need to meet (docs/wan.md, "NAT").
     owners: list[str] | None = None
     rtt: float | None = None  # seconds to the farthest other member, as this peer measured it (None: unknown)
+    # Per member, the share of its capped weight the average counts: its standing in the ledger
+    # (p2p/ledger.py), the same on every member (the leader's proposal names it). None: all 1.
+    factors: list[float] | None = None
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
     failed_by: str | None = None  # the member whose stream to us the failure came on, if one did
@@ -101,6 +106,9 @@ class Group:
         assert self.me in self.members and self.members == sorted(self.members)
         assert 1 <= self.lanes_per_part <= MAX_LANES
         self.index = self.members.index(self.me)
+        if self.factors is None:
+            self.factors = [1.0] * len(self.members)
+        assert len(self.factors) == len(self.members) and all(0 < f <= 1 for f in self.factors)
         owners = set(self.members if self.owners is None else self.owners)
         assert self.owners is None or (self.owners == sorted(owners) and owners <= set(self.members)
                                        and 2 <= len(owners) < len(self.members))
@@ -125,7 +133,7 @@ class Group:
         # The owners' declarations of each averaged piece's inputs, and our audit of one owner.
         self.audit = OwnerAudit(len(self.members), self.index, self.owns, self.pieces, self._placed,
                                 codec=self.codec, weight=self.claimed_weight, weight_cap=self.weight_cap,
-                                aggregate=self.aggregate)
+                                factors=self.factors, aggregate=self.aggregate)
         # Members that sent an abort while this peer had no failure of its own (p2p/aborts.py).
         self.aborts = Aborts(self.members)
         self._changed = asyncio.Event()
@@ -256,12 +264,13 @@ class Group:
         return data
 
     def effective_weights(self) -> list[float]:
-        """Every member's weight as the average counts it (``capped_weights``)."""
-        return capped_weights([self.part.weights[i] for i in range(len(self.members))], self.weight_cap)
+        """Every member's weight as the average counts it (``counted_weights``)."""
+        return counted_weights([self.part.weights[i] for i in range(len(self.members))], self.weight_cap,
+                               self.factors)
 
-    def declaration(self, k: int) -> bytes:
+    def declaration(self, k: int, gram: bytes) -> bytes:
         """What we, the owner, declare of piece ``k``'s inputs (``OwnedPart.declaration``)."""
-        return self.part.declaration(k)
+        return self.part.declaration(k, gram)
 
     def reduce_piece(self, k: int) -> bytes:
         """Weighted mean of piece ``k`` of our part in member order, encoded once; placed in our result
@@ -269,12 +278,13 @@ class Group:
         start, end = self.pieces[self.index][k]
         inputs = [x if isinstance(x, torch.Tensor) else self.codec.decode(x, end - start)  # checked when it came
                   for x in self.part.inputs(k)]
+        gram = piece_gram(inputs)  # before the aggregator, which may clip in place
         weights = self.effective_weights()
         data = self.aggregate([(weights[i], inputs[i]) for i in range(len(self.members))])
         if self.hostile.alter_slice:  # test-only: an owner that returns a finite but wrong average
             start, end = self.pieces[self.index][k]
             data = self.codec.average.encode(self.codec.average.decode(data, end - start).neg_().mul_(10.0))
-        declared = self.declaration(k)
+        declared = self.declaration(k, gram)
         self.place_piece(self.index, k, data, declared)
         self.part.declared[k] = declared
         return data
@@ -307,6 +317,16 @@ class Group:
         encoded = [d for part in self._averaged for d in part]
         self._averaged = [[None] * len(p) for p in self.pieces]
         return CommittedAverage(self.codec.average, pieces, encoded, like, out)
+
+    def ledger_entry(self) -> Entry:
+        """Once the round committed: its ledger entry (p2p/ledger.py), built from the owners'
+        declarations every member voted on, so the same on every member. A member's claim is the
+        most it declared to any owner; its counted tokens, the least, capped, times its standing."""
+        weights = self.audit.weights()
+        claimed = [hi for _, hi in weights]
+        counted = counted_weights([lo for lo, _ in weights], self.weight_cap, self.factors)
+        scores = member_scores(total_gram(self.audit.grams(), len(self.members)), claimed)
+        return build_entry(self.round + 1, self.members, claimed, counted, self.factors, scores)
 
     # ---- waiting on the exchange -------------------------------------------------
 

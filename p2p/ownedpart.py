@@ -77,11 +77,12 @@ class OwnedPart:
         """Every member's input to piece ``k``, in member order (all are in)."""
         return [self._inputs[k][i] for i in range(self._members)]
 
-    def declaration(self, k: int) -> bytes:
+    def declaration(self, k: int, gram: bytes) -> bytes:
         """What we declare of piece ``k``'s inputs: every member's weight and input hash, in
-        member order. It travels with the averaged piece and is part of the vote."""
+        member order, then their Gram matrix (``gram``, p2p/scores.py). It travels with the
+        averaged piece and is part of the vote."""
         hashes = self._hashes[k]
-        return b"".join(DECLARED.pack(self.weights[i], hashes[i]) for i in range(self._members))
+        return b"".join(DECLARED.pack(self.weights[i], hashes[i]) for i in range(self._members)) + gram
 
     def set_reduced(self, k: int, data: bytes) -> None:
         """Piece ``k`` is averaged (``data``, encoded): its inputs are no longer needed."""

@@ -122,7 +122,7 @@ class RoundProtocol:
                                          cfg.request_timeout)
         # How this peer gets into a group of a round (p2p/formation.py).
         self.formation = GroupFormation(swarm, self.plane, self.conduct, self.votes, self.reachability, metrics,
-                                        call=self._call, background=self._background)
+                                        call=self._call, background=self._background, standing=self.commits.standing)
 
     async def start(self) -> None:
         kernels = getattr(self.codec, "kernels", None)
@@ -230,6 +230,10 @@ class RoundProtocol:
             self._leave(group)
         blamed = self.conduct.judge(group)
         seconds = time.monotonic() - gathered
+        # The round's ledger entry (p2p/ledger.py): what our certificate will cover.
+        entry = await asyncio.shield(off_loop(group.ledger_entry))
+        self.commits.record(entry)
+        self.signing.committed(group.id, group.members, round + 1, [group.members[i] for i in group.voters()], entry)
         if group.residual_to_write:  # what the round did not deliver of what we sent, for the next one
             await asyncio.shield(off_loop(group.write_residual))
         self.plane.committed(group)

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 from p2p.commits import CommitCertificate, CommitLog
+from p2p.ledger import Entry
 from p2p.limits import BoundedDict
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class _Signing:
     cert: CommitCertificate | None = None
     early: list = field(default_factory=list)  # (member, public key, signature) before our own commit
     to: list[str] | None = None  # the members our signature goes to (None: all)
+    entry: Entry | None = None  # the round's ledger entry, as this node built it at commit
 
 
 class CommitSigning:
@@ -49,14 +51,17 @@ class CommitSigning:
         self._last = b""
         self._tasks: set[asyncio.Task] = set()
 
-    def committed(self, group_id: bytes, members: list[str], round: int, to: list[str] | None = None) -> None:
-        """A group this node is a member of committed ``round`` (not applied yet). ``to``: the
-        members to send our signature to, if not all (a member behind NAT reaches only the
-        group's owners; a certificate holds with more than half of the signatures)."""
+    def committed(self, group_id: bytes, members: list[str], round: int, to: list[str] | None = None,
+                  entry: Entry | None = None) -> None:
+        """A group this node is a member of committed ``round`` (not applied yet), with the ledger
+        ``entry`` the certificate covers. ``to``: the members to send our signature to, if not
+        all (a member behind NAT reaches only the group's owners; a certificate holds with more
+        than half of the signatures)."""
         if group_id not in self._groups:
             self._groups[group_id] = _Signing(list(members), round, to=None if to is None else list(to))
         elif to is not None:
             self._groups[group_id].to = list(to)
+        self._groups[group_id].entry = entry
         self._last = group_id
 
     def certify(self, prev: str, new: str) -> asyncio.Task | None:
@@ -66,7 +71,7 @@ class CommitSigning:
         if signing is None or signing.cert is not None:
             return None
         signer = self.swarm.signer
-        cert = CommitCertificate(self.swarm.scope, signing.round, prev, new, tuple(signing.members))
+        cert = CommitCertificate(self.swarm.scope, signing.round, prev, new, tuple(signing.members), signing.entry)
         signature = signer.sign(cert.message())
         cert.add(self.swarm.peer_id, signer.public_key, signature)
         for peer, public_key, theirs in signing.early:

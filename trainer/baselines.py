@@ -24,7 +24,8 @@ class DataParallel:
     def __init__(self, k: int, *, model: ModelConfig, data: DataConfig, inner: InnerConfig, corpus: torch.Tensor,
                  seed: int) -> None:
         # Worker 0 holds the model, optimizer and eval data; the others only their shards,
-        # keyed like the simulator's workers ("sim-i") so both see the same data.
+        # keyed like the simulator's workers ("sim-i"): the same split, sampled alike, though as
+        # one stream (round 0: trainer/data.py) where the simulator's are drawn round by round.
         self.holder = DiLoCoWorker(model=model, data=data, inner=inner, outer=OuterConfig(), corpus=corpus,
                                    shard_key="sim-0", seed=seed)
         self.samplers = [self.holder.sampler] + [

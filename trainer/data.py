@@ -9,8 +9,12 @@ a source is a list of 1-D token arrays, and the byte corpus is a list of one.
 Every peer reads the same data. The last ``eval_fraction`` of the concatenated
 tokens is held out and evaluated identically everywhere, so eval losses of
 different peers are comparable (``split_digest()`` lets peers check they hold
-the same split); the rest is sampled at random offsets from a stream seeded by
-the peer's own key, so peers train on different data without coordinating.
+the same split). The rest is the training split, and which of its windows a
+peer trains on is assigned, not kept as private state: the batches of step j of
+round r for peer p are a pure function of (run key, p, r, j) and the data
+(``assigned_windows``). So anyone holding the data can reconstruct any member's
+batches of any round (``ShardSampler.assigned_batches``), and a checker can
+test a member's update against the data it was meant to be trained on.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import struct
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,11 +131,48 @@ def _size(file: str) -> int:
         return 0
 
 
-def _stream_seed(shard_key: str, seed: int) -> int:
-    # hashlib, not hash(): Python salts str hashes per process, and every run
-    # of a peer must draw the same stream.
-    digest = hashlib.blake2b(f"{seed}\x00{shard_key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+def _round_key(run_key: str, shard_key: str, round: int) -> bytes:
+    # hashlib, not hash(): Python salts str hashes per process, and every peer must
+    # derive the same key for a member's round.
+    return hashlib.blake2b(f"assigned\x00{run_key}\x00{shard_key}\x00{round}".encode(), digest_size=32).digest()
+
+
+def _numbers(key: bytes, index: int, n: int, count: int) -> np.ndarray:
+    """``n`` numbers in [0, count) from blake2b keyed by ``key`` over (``index``, block): eight
+    64-bit values per hash. Reduced modulo ``count``: the bias is below count / 2**64."""
+    blocks = b"".join(hashlib.blake2b(struct.pack("<QQ", index, b), digest_size=64, key=key).digest()
+                      for b in range(-(-n // 8)))
+    return (np.frombuffer(blocks, dtype="<u8")[:n] % np.uint64(count)).astype(np.int64)
+
+
+def assigned_windows(run_key: str, shard_key: str, round: int, steps: range | int, batch_size: int,
+                     count: int) -> np.ndarray:
+    """[len(steps), batch_size] int64: the numbers of the training windows (of ``count``) of
+    the given steps of ``round`` for the peer ``shard_key``; a pure function.
+
+    ``run_key`` is the run's fingerprint digest (``Fingerprint.digest``), or, where none is
+    known, ``"seed:<node.seed>"``. ``round`` is numbered as the round's commit (its
+    certificate, the history line, the ``committed round=`` log line): the round whose average
+    the steps' pseudo-gradient goes into. ``shard_key`` is the peer id, ``<peer id>/rank<k>``
+    for rank k of a multi-rank host (each rank draws its own batches).
+
+    The generator is counter-mode blake2b keyed by a hash of (run key, shard key, round): window
+    i of step j is one hash of (j, i) under that key, so any step is computed directly, without
+    drawing those before it, and no library's random stream (torch's and numpy's generators may
+    change between versions) decides which data a checker reconstructs.
+
+    Another peer's windows are drawn from the same split by another key: two peers' streams
+    overlap only by chance (a window one peer draws in a round is among another's n draws
+    of it with probability about n / count), and never reach the held-out split. Disjoint
+    streams would need the membership of every round known before it trains."""
+    steps = range(steps) if isinstance(steps, int) else steps
+    assert count > 0 and batch_size > 0 and round >= 0
+    key = _round_key(run_key, shard_key, round)
+    out = np.empty((len(steps), batch_size), dtype=np.int64)
+    for row, j in enumerate(steps):
+        assert j >= 0
+        out[row] = _numbers(key, j, batch_size, count)
+    return out
 
 
 @dataclass(slots=True)
@@ -197,11 +239,19 @@ TokenSource = torch.Tensor | TokenDataset | Sequence[np.ndarray]
 
 
 class ShardSampler:
-    """Batches of (input, next-token target) from one peer's stream over a token source.
+    """Batches of (input, next-token target) over a token source: this peer's assigned training
+    batches, any other peer's, and the held-out ones.
 
     ``source`` is the byte corpus (a 1-D uint8 tensor from load_corpus), a
     TokenDataset, or a list of 1-D integer arrays, each a shard (read as they
     are: only a TokenDataset's mapped pages are handed back after each read).
+
+    The sampler's position is (``round``, ``step``): the round it draws for (numbered as
+    that round's commit, ``assigned_windows``) and the batches drawn in it so far. The worker
+    sets it before each phase of inner steps (``seek``, from ``DiLoCoWorker.train_for``);
+    ``next_batch`` draws step ``step`` of ``round`` and counts on. Until told a round it is
+    round 0, which no swarm round uses: a sampler that is never told counts its steps on in
+    one stream.
     """
 
     def __init__(
@@ -214,6 +264,8 @@ class ShardSampler:
         seq_len: int,
         eval_fraction: float,
     ) -> None:
+        """``shard_key``: this peer's key (its peer id); ``seed``: the run key's stand-in until
+        the run's fingerprint is known (``run_key``)."""
         self._dataset: TokenDataset | None = None
         self._corpus: torch.Tensor | None = None
         if isinstance(source, torch.Tensor):
@@ -245,9 +297,12 @@ class ShardSampler:
         self.eval_fraction = eval_fraction
         self.batch_size = batch_size
         self.seq_len = seq_len
-        self.batches_drawn = 0
-        self._generator = torch.Generator(device="cpu")
-        self._generator.manual_seed(_stream_seed(shard_key, seed))
+        self.shard_key = shard_key
+        # The run's fingerprint digest once the node knows it (DiLoCoWorker.assign_data); the
+        # seed stands in before (unit tests, the simulator), so nothing else needs to know it.
+        self.run_key = f"seed:{seed}"
+        self.round = 0
+        self.step = 0
         self._digest: str | None = None
 
     def _windows(self, windows: _Windows, numbers: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,11 +312,34 @@ class ShardSampler:
         x, y = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
         return torch.from_numpy(x), torch.from_numpy(y)
 
+    def seek(self, round: int, step: int = 0) -> None:
+        """Draw for ``round`` from now on, ``step`` of its batches drawn already (a phase after
+        the first in the round, or a run resumed mid-round)."""
+        assert round >= 0 and step >= 0, (round, step)
+        self.round, self.step = round, step
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next training batch: x and y of shape [batch_size, seq_len], y shifted by one."""
-        numbers = torch.randint(0, self._train.count, (self.batch_size,), generator=self._generator)
-        self.batches_drawn += 1
-        return self._windows(self._train, numbers.numpy())
+        """This peer's next training batch: step ``step`` of ``round``; x and y of shape
+        [batch_size, seq_len], y shifted by one."""
+        numbers = assigned_windows(self.run_key, self.shard_key, self.round, range(self.step, self.step + 1),
+                                   self.batch_size, self._train.count)
+        self.step += 1
+        return self._windows(self._train, numbers[0])
+
+    def assigned_batches(self, shard_key: str, round: int,
+                         steps: range | int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The training batches of peer ``shard_key`` at ``steps`` of ``round`` (an int n: its
+        first n), under this sampler's run key: exactly what that peer's sampler drew, or will
+        draw, whatever its state (``assigned_windows``). ``steps`` is ``range(n)`` for a
+        member that sent n steps' worth of tokens in that round."""
+        numbers = assigned_windows(self.run_key, shard_key, round, steps, self.batch_size, self._train.count)
+        return [self._windows(self._train, row) for row in numbers]
+
+    def heldout_batch(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch of the held-out split chosen by ``seed`` (a checker's draw): the same on every
+        peer for the same data and seed, and never a training window (the splits are disjoint)."""
+        key = hashlib.blake2b(f"heldout\x00{int(seed)}".encode(), digest_size=32).digest()
+        return self._windows(self._eval, _numbers(key, 0, self.batch_size, self._eval.count))
 
     def eval_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``n`` fixed held-out batches, the same for every shard key."""
@@ -292,19 +370,33 @@ class ShardSampler:
         return self._digest
 
     def state_dict(self) -> dict:
-        return {"batches_drawn": self.batches_drawn, "generator": self._generator.get_state(), "split": self.split_digest()}
+        """The position (round, batches drawn in it) and the data it is a position in: with the
+        run key, all that decides the batches to come."""
+        return {"round": self.round, "steps": self.step, "split": self.split_digest()}
 
     def load_state_dict(self, d: dict) -> None:
-        state = d.get("generator") if isinstance(d, dict) else None
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-            raise ValueError("sampler state: missing or invalid generator state")
-        if not isinstance(d.get("batches_drawn"), int) or d["batches_drawn"] < 0:
-            raise ValueError("sampler state: missing or invalid batches_drawn")
+        """A position from ``state_dict``. A state from before assigned data (a generator state
+        and a count of batches drawn) still loads: the generator is ignored and the count becomes
+        the step of round 0, the stream of a sampler never told its round; a worker that trains
+        through ``trainer.round.PeerRounds`` is told its round and step before it draws."""
+        if not isinstance(d, dict):
+            raise ValueError("sampler state: expected a dict")
+        legacy = "generator" in d
+        if legacy:
+            state = d["generator"]
+            if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+                raise ValueError("sampler state: missing or invalid generator state")
+            position = {"round": 0, "steps": d.get("batches_drawn")}
+        else:
+            position = {"round": d.get("round"), "steps": d.get("steps")}
+        for key, value in position.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                name = "batches_drawn" if legacy and key == "steps" else key
+                raise ValueError(f"sampler state: missing or invalid {name}")
         # Older checkpoints carry no digest; a digest that differs means other data.
         if "split" in d and d["split"] != self.split_digest():
             raise ValueError(
                 f"sampler state: written for data split {d['split']!r}, this sampler reads {self.split_digest()!r} "
                 "(other data or eval_fraction)"
             )
-        self._generator.set_state(state.clone())
-        self.batches_drawn = d["batches_drawn"]
+        self.seek(position["round"], position["steps"])

@@ -163,7 +163,25 @@ class DiLoCoWorker:
             outer_lr=self.outer_cfg.lr, outer_momentum=self.outer_cfg.momentum, nesterov=self.outer_cfg.nesterov,
             rounds=rounds, layout=self.ranks.layout if sharded else "")
 
+    def assign_data(self, run_key: str) -> None:
+        """Draw this worker's batches by ``run_key``, the run's fingerprint digest
+        (``Fingerprint.digest``), from now on instead of by the seed: every peer of the run (and
+        a simulator given the same key) then reconstructs this peer's batches of any round
+        (``ShardSampler.assigned_batches``, trainer/data.py)."""
+        self.sampler.run_key = run_key
+
     # -- inner loop -------------------------------------------------------
+
+    def train_for(self, round: int, step: int = 0) -> None:
+        """The inner steps that follow train for ``round``, ``step`` of them taken already: their
+        batches are steps ``step``, ``step + 1``, ... of this peer's assigned data of that round.
+
+        ``round`` is the round whose average the pseudo-gradient of these steps goes into,
+        numbered as its commit (certificate, history line, ``committed round=`` log line): with
+        no round in flight ``self.round + 1``; with rounds overlapping, the round after the one
+        in flight, whose outer step may land during these steps (``trainer.round.PeerRounds``
+        says which). Calls of ``inner_steps`` without one in between continue the round's steps."""
+        self.sampler.seek(round, step)
 
     @property
     def tokens_per_step(self) -> int:
@@ -181,9 +199,11 @@ class DiLoCoWorker:
             sync_replicas(self.model.parameters(), self.ranks)
 
     def inner_steps(self, n: int, should_stop: Callable[[], bool] | None = None) -> InnerStats:
-        """Up to ``n`` AdamW steps on this worker's shard; blocking. On a multi-rank host every
-        rank takes the same steps: one that is told to stop stops them all at the next step, and
-        an average of the round in flight lands on every rank at the same step."""
+        """Up to ``n`` AdamW steps on this worker's shard; blocking. Each step trains on the next
+        batch of the round set by ``train_for`` (several calls within a round continue its
+        steps). On a multi-rank host every rank takes the same steps: one that is told to stop
+        stops them all at the next step, and an average of the round in flight lands on every
+        rank at the same step."""
         start = time.perf_counter()
         self.model.train()
         # Losses add up on the device and are read once: no host sync per step.

@@ -84,8 +84,10 @@ class PeerRounds:
         self.retry_seconds = retry_seconds
         # Inner steps already taken in the current round (non-zero after resuming mid-round).
         self.round_step = 0
-        # Overlapped rounds: the previous round's averaging, running during these inner steps.
+        # Overlapped rounds: the previous round's averaging, running during these inner steps,
+        # and its number (as its commit numbers it).
         self.pending: asyncio.Future | None = None
+        self.in_flight = 0
         self._committing: asyncio.Future | None = None  # the commit being applied (see commit)
 
     @property
@@ -101,8 +103,11 @@ class PeerRounds:
         host, worker = self.host, self.worker
         if self.pending is None:
             await host.starting()
-        # The round these steps count towards: the next one, or the one after the round in flight.
-        phase_round = worker.round + (1 if self.pending is None else 2)
+        # The round these steps count towards: the next one, or the one after the round in flight
+        # (by its number, not θ's: the round in flight may have committed while we were away).
+        # They train on that round's assigned data, from the step the round is at.
+        phase_round = worker.round + 1 if self.pending is None else self.in_flight + 1
+        worker.train_for(phase_round, self.round_step)
         stats = await host.train(self.round_step)
         self.round_step += stats.steps
         host.trained(stats, phase_round)
@@ -137,6 +142,7 @@ class PeerRounds:
         # Δ alone (error feedback's vector holds more: the worker computes Δ again from the copy).
         await host.compute(worker.start_overlapped, delta if into is None else None)
         self.round_step = 0
+        self.in_flight = worker.round + 1
         self.pending = asyncio.ensure_future(self.average_until_settled(delta, weight))
         # Committed (the average already applied), behind, or stopping: a step waiting for it goes on.
         self.pending.add_done_callback(lambda _: worker.settle())

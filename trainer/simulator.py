@@ -171,6 +171,13 @@ class Simulator:
         self.peers = [SimulatedPeer(self, i) for i in range(k)]
         self.commits: asyncio.Condition | None = None  # notified on every commit; one per run (its loop)
 
+    def assign_data(self, run_key: str) -> None:
+        """Every worker draws its batches by ``run_key``, as a node does once it knows its run's
+        fingerprint digest (trainer/data.py); until then they draw by the seed. A simulator that
+        must train on a swarm's data is given the swarm's key (node.daemon.fingerprint_terms)."""
+        for w in self.workers:
+            w.assign_data(run_key)
+
     async def committed_to(self, round: int) -> DiLoCoWorker:
         """A worker whose θ is at ``round`` (waits for one to commit it)."""
         def donor() -> DiLoCoWorker | None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from node.config import load_config
+from node.daemon import fingerprint_terms
 from p2p.compression import SwarmAverage
 from tests.integration.nodes import FAST
 from trainer.data import open_source
@@ -49,6 +50,11 @@ def test_two_nodes_and_the_simulator_hold_the_same_theta(nodes, overlap):
                     corpus=open_source(cfg.data.paths), seed=cfg.node.seed, shard_keys=keys,
                     combine=SwarmAverage(cfg.swarm.aggregator), threads=1,
                     land_after=(cfg.outer.land_step - 1) / STEPS if overlap != "off" else 1.0)
+    # A node's batches of a round follow from its run's fingerprint (trainer/data.py): the
+    # simulator's workers draw by the same key, the one the nodes logged.
+    run_key = sim.workers[0].fingerprint(*fingerprint_terms(cfg)).digest
+    assert f"run fingerprint {run_key[:16]}" in first.log()
+    sim.assign_data(run_key)
     threads = torch.get_num_threads()
     try:
         records = sim.run_sync(ROUNDS, STEPS)

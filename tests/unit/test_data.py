@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import MAX_CORPUS_BYTES, ShardSampler, default_corpus_paths, load_corpus, open_source
+from trainer.data import (MAX_CORPUS_BYTES, ShardSampler, assigned_windows, default_corpus_paths, load_corpus,
+                          open_source)
 from trainer.tokens import HEADER_BYTES, ShardWriter, TokenDataset, open_token_dataset, pack_header, shard_name, write_manifest
 
 TOKENIZER = {"sha256": "0" * 64, "vocab_size": 1 << 20, "eos_id": 0, "eos_token": "</s>", "source": "test"}
@@ -116,15 +117,16 @@ def test_resumed_sampler_yields_the_same_batches():
         a.next_batch()
     b = sampler(corpus, "peer-a")
     b.load_state_dict(a.state_dict())
-    assert b.batches_drawn == 5
+    assert (b.round, b.step) == (0, 5)
     for _ in range(3):
         (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
-def test_byte_corpus_batches_are_those_of_the_byte_only_sampler():
-    # Digest of what the sampler drew before it learned token shards: checkpoints
-    # and runs of the byte-level presets go on drawing exactly the same data.
+def test_byte_corpus_batches_are_pinned():
+    # Digest of what the sampler draws since data is assigned (trainer/data.py
+    # assigned_windows): a change to the scheme changes every peer's batches, and a
+    # checker on another version would reconstruct other ones than a member trained on.
     gen = torch.Generator().manual_seed(0)
     corpus = torch.randint(0, 256, (20000,), generator=gen, dtype=torch.uint8)
     s = ShardSampler(corpus, shard_key="peer-a", seed=3, batch_size=4, seq_len=32, eval_fraction=0.1)
@@ -132,7 +134,7 @@ def test_byte_corpus_batches_are_those_of_the_byte_only_sampler():
     for x, y in [s.next_batch() for _ in range(5)] + s.eval_batches(3):
         h.update(x.numpy().tobytes())
         h.update(y.numpy().tobytes())
-    assert h.hexdigest()[:16] == "de92f08ffc8f61f1"
+    assert h.hexdigest()[:16] == "576dede62c429e51"
 
 
 # Token shards. Token k*1_000_000 + i is position i of shard k, so a window
@@ -217,7 +219,7 @@ def test_token_sampler_resumes_exactly_and_only_on_its_data(tmp_path):
         a.next_batch()
     b = token_sampler(open_token_dataset(str(tmp_path / "a")), "peer-a")
     b.load_state_dict(a.state_dict())
-    assert b.batches_drawn == 7
+    assert b.step == 7
     for _ in range(5):
         (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -225,6 +227,127 @@ def test_token_sampler_resumes_exactly_and_only_on_its_data(tmp_path):
         token_sampler(dataset, "peer-a", eval_fraction=0.2).load_state_dict(a.state_dict())
     legacy = {k: v for k, v in a.state_dict().items() if k != "split"}
     b.load_state_dict(legacy)  # checkpoints from before the digest still load
+
+
+# Assigned data: which windows a peer trains on in round r is a function of (run key, peer, round).
+
+def keyed(source, key, run_key="run-1", **kw):
+    s = token_sampler(source, key, **kw) if isinstance(source, list) else sampler(source, key, **kw)
+    s.run_key = run_key
+    return s
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", ["bytes", "arrays"])
+def test_the_same_run_peer_and_round_give_the_same_batches(kind):
+    source = split_corpus() if kind == "bytes" else shard_arrays()
+
+    def batches(key="peer-a", round=3, run_key="run-1", n=4):
+        s = keyed(source, key, run_key)
+        s.seek(round)
+        return [s.next_batch() for _ in range(n)]
+
+    mine = batches()
+    assert same(batches(), mine)  # two fresh samplers
+    assert not any(torch.equal(x, mine[0][0]) for x, _ in mine[1:])  # each step its own windows
+    for other in (batches(key="peer-b"), batches(round=4), batches(run_key="run-2")):
+        assert not any(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(other, mine))
+    fallback = keyed(source, "peer-a", run_key="seed:0")  # no run key known: the seed stands in
+    fresh = token_sampler(source, "peer-a") if kind == "arrays" else sampler(source, "peer-a")
+    fallback.seek(3)
+    fresh.seek(3)
+    assert torch.equal(fallback.next_batch()[0], fresh.next_batch()[0])
+
+
+@pytest.mark.timeout(10)
+def test_assigned_batches_are_what_the_peer_drew_also_after_a_resume_mid_round():
+    corpus = split_corpus()
+    peer = keyed(corpus, "peer-a")
+    peer.seek(2)
+    drawn = [peer.next_batch() for _ in range(3)]
+    drawn += [peer.next_batch() for _ in range(2)]  # a second phase of the round: steps continue
+    resumed = keyed(corpus, "peer-a")
+    resumed.load_state_dict(peer.state_dict())  # mid-round: round 2, 5 batches drawn
+    assert resumed.state_dict() == {"round": 2, "steps": 5, "split": peer.split_digest()}
+    drawn += [resumed.next_batch() for _ in range(3)]
+    checker = keyed(corpus, "checker")  # any sampler of the run, whatever its own position
+    checker.seek(7, 11)
+    assert same(checker.assigned_batches("peer-a", 2, 8), drawn)
+    assert same(checker.assigned_batches("peer-a", 2, range(5, 8)), drawn[5:])
+    assert not same(checker.assigned_batches("peer-a", 1, 8), drawn)
+    numbers = assigned_windows("run-1", "peer-a", 2, range(8), 4, checker._train.count)
+    assert numbers.shape == (8, 4) and numbers.min() >= 0 and numbers.max() < checker._train.count
+    assert torch.equal(corpus[numbers[6, 1] : numbers[6, 1] + 32].long(), drawn[6][0][1])
+
+
+@pytest.mark.timeout(10)
+def test_a_sampler_state_from_before_assigned_data_still_loads():
+    corpus = split_corpus()
+    s = sampler(corpus, "peer-a")
+    old = {"batches_drawn": 5, "generator": torch.Generator().get_state(), "split": s.split_digest()}
+    s.load_state_dict(old)  # the generator is ignored; the count is round 0's step
+    assert (s.round, s.step) == (0, 5)
+    for bad in ({**old, "generator": None}, {**old, "batches_drawn": -1}, {"round": 1}, {"round": True, "steps": 0}):
+        with pytest.raises(ValueError, match=r"^sampler state: "):
+            s.load_state_dict(bad)
+
+
+@pytest.mark.timeout(10)
+def test_a_heldout_batch_chosen_by_a_seed_lies_in_the_eval_split():
+    corpus = split_corpus()
+    a, b = keyed(corpus, "peer-a"), keyed(corpus, "peer-b", run_key="run-2")
+    x, y = a.heldout_batch(7)
+    assert x.shape == (4, 32) and x.min() >= 128 and y.min() >= 128  # held-out bytes only
+    assert torch.equal(b.heldout_batch(7)[0], x)  # the same on every peer: data and seed only
+    assert not torch.equal(a.heldout_batch(8)[0], x)
+    arrays = token_sampler(shard_arrays(), "peer-a")
+    for seed in range(20):
+        shards, starts = check_windows(*arrays.heldout_batch(seed))
+        assert set(shards.tolist()) <= {3, 5} and np.all(starts[shards == 3] >= 6253)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_a_worker_trains_on_the_data_of_the_round_its_pseudo_gradient_goes_into(overlap):
+    """Through the round function (trainer/round.py): a phase's batches are steps 0, 1, ... of
+    the assigned data of the round whose average takes its pseudo-gradient, numbered as that
+    round's commit; overlapped, that is the round after the one in flight, which a single
+    member commits while its next phase waits (the simulator evaluates in between)."""
+    from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
+    from trainer.simulator import Simulator
+
+    corpus = load_corpus(default_corpus_paths()[:4])
+    sim = Simulator(1, model=ModelConfig(source="tiny"), data=DataConfig(batch_size=2, seq_len=32, eval_batches=1),
+                    inner=InnerConfig(lr=1e-3, warmup_steps=1, total_steps=10), outer=OuterConfig(overlap=overlap),
+                    corpus=corpus, seed=5, threads=1)
+    sim.assign_data("run-x")
+    w = sim.workers[0]
+    log, sent = [], []
+    draw, delta = w.sampler.next_batch, w.pseudo_gradient
+
+    def next_batch():
+        log.append((w.sampler.round, w.sampler.step, draw()))
+        return log[-1][2]
+
+    def pseudo_gradient(into=None):
+        # Averaged in the round θ is at plus one (overlapped too: the round before has committed).
+        sent.append((w.round + 1, list(log)))
+        log.clear()
+        return delta(into)
+
+    w.sampler.next_batch, w.pseudo_gradient = next_batch, pseudo_gradient
+    sim.run_sync(3, 2)
+    checker = ShardSampler(corpus, shard_key="checker", seed=0, batch_size=2, seq_len=32,
+                           eval_fraction=w.data_cfg.eval_fraction)
+    checker.run_key = "run-x"
+    assert [r for r, _ in sent] == [1, 2, 3]
+    for round, batches in sent:
+        assert [(r, j) for r, j, _ in batches] == [(round, 0), (round, 1)]
+        assert same(checker.assigned_batches("sim-0", round, 2), [b for _, _, b in batches])
 
 
 def test_shards_too_short_for_a_window_are_reported():

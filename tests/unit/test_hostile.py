@@ -53,6 +53,8 @@ class TestOneLiarAmongFive:  # one swarm for the class, gone after its last test
         for s, _, _ in peers:
             s.announce(state="training", round=round)
         await settle(peers)
+        for r in rounds:  # each lie on its own: no standing from the last one's ledger entry
+            r.commits.entries.clear()
         rounds[2].hostile = lie
         try:
             inputs = honest_inputs(5)
@@ -186,8 +188,8 @@ async def test_an_owner_that_misreports_an_input_is_caught_by_that_member_when_i
         owner, member = peers[1][0].peer_id, peers[0][0].peer_id
         declaration = Group.declaration
 
-        def misreported(group, k):
-            declared = bytearray(declaration(group, k))
+        def misreported(group, k, gram):
+            declared = bytearray(declaration(group, k, gram))
             if group.me == owner:
                 declared[_DECLARED.size - 1] ^= 1  # the last byte of member 0's input hash
             return bytes(declared)

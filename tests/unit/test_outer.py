@@ -38,12 +38,15 @@ def test_one_worker_with_unit_outer_lr_and_no_momentum_is_plain_training(corpus)
     replay = DiLoCoWorker(**cfg, corpus=corpus, shard_key="w", seed=3)
     records = Simulator.of([diloco]).run_sync(4, 5)
     assert all(r["committed"] == [True] for r in records)
-    plain.inner_steps(20)
+    for r in range(1, 5):  # the same batches: rounds 1-4's assigned data (trainer/data.py)
+        plain.train_for(r)
+        plain.inner_steps(5)
     # The same training, synchronising by hand: θ ← θ − 1.0 · (θ − θ_local).
     # In fp32 θ − (θ − x) is not always x (the subtraction rounds), so this is
     # the arithmetic DiLoCo must reproduce to the bit.
     theta = [p.detach().clone() for p in replay.model.parameters()]
-    for _ in range(4):
+    for r in range(1, 5):
+        replay.train_for(r)
         replay.inner_steps(5)
         with torch.no_grad():
             for t, p in zip(theta, replay.model.parameters()):
@@ -54,7 +57,7 @@ def test_one_worker_with_unit_outer_lr_and_no_momentum_is_plain_training(corpus)
     for a, r, g in zip(diloco.model.parameters(), replay.model.parameters(), diloco.global_params):
         assert torch.equal(a, r)
         assert torch.equal(a, g)
-    assert diloco.sampler.state_dict()["batches_drawn"] == plain.sampler.state_dict()["batches_drawn"]
+    assert diloco.sampler.state_dict() == plain.sampler.state_dict() == replay.sampler.state_dict()
     # Against uninterrupted training only those roundings differ.
     for a, p in zip(diloco.model.parameters(), plain.model.parameters()):
         assert torch.allclose(a, p, rtol=0, atol=1e-5)
