@@ -280,6 +280,8 @@ class Node:
         # Which batches a member trains on in a round follows from the run, its peer id and the
         # round (trainer/data.py): every peer can reconstruct them. Every rank of a host too.
         await self.compute(self.worker.assign_data, fingerprint.digest)
+        if self.injection.hostile.shirk:  # test-only: train on data of another key than our own
+            self.worker.sampler.shard_key += "/elsewhere"
         commits = CommitLog(self.swarm.scope, genesis)
         rounds = RoundProtocol(self.swarm, self.metrics, commits, weight_cap=weight_cap,
                                faults=self.injection.faults, hostile=self.injection.hostile)

@@ -10,6 +10,7 @@ swarm), state downloads when the swarm moves on, metrics, status and checkpoints
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -101,6 +102,10 @@ class TrainingLoop:
         """This round's inner steps: H of them, or (heterogeneous hosts) until the round's
         wall-clock target or the swarm's token budget for the round is reached."""
         cfg = self.worker.inner_cfg
+        if self.rounds.hostile.overclaim:  # test-only: one step, and the tokens of all of them claimed
+            stats = await self.compute(self.worker.inner_steps, 1)
+            steps = max(self.inner_steps - round_step, stats.steps)
+            return dataclasses.replace(stats, steps=steps, tokens=steps * self.tokens_per_step)
         if not (cfg.round_seconds or cfg.round_tokens):
             return await self.compute(self.worker.inner_steps, self.inner_steps - round_step,
                                       self.rounds.faults.paced(self.stop_flag.is_set, self.stop_flag))

@@ -16,6 +16,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, start_http_server
 
 from node.config import parse_host_port
+from p2p.ledger import FLAGS
 
 # A round's network phases range from a LAN all-reduce of a tiny model
 # (~10 ms) to a cross-continent transfer of a large one (minutes).
@@ -113,6 +114,17 @@ class NodeMetrics:
             registry=r,
             reason=REASONS,
         )
+        # The ledger (p2p/ledger.py): what this node's committed rounds said of their members.
+        self.ledger_flags = LabelledMetric(
+            Counter, "gonka_node_ledger_flags_total",
+            "Members flagged in the ledger entries of the rounds this node committed, by flag (p2p/ledger.py).",
+            registry=r, flag=frozenset(FLAGS))
+        self.credit = Counter("gonka_node_credit_tokens_total",
+                              "Tokens credited to this node in the ledger entries of the rounds it committed.",
+                              registry=r)
+        self.standing = Gauge("gonka_node_standing",
+                              "Share of this node's tokens the next average counts (1, 0.25 after a flagged round, "
+                              "0: left out).", registry=r)
         self.inner_steps = Counter("gonka_node_inner_steps_total", "Local inner optimizer steps taken.", registry=r)
         self.tokens = Counter("gonka_node_tokens_total", "Training tokens processed by this node's inner steps.", registry=r)
         self.loss = Gauge("gonka_node_loss", "Mean training loss over the inner steps of the last round.", registry=r)

@@ -13,7 +13,13 @@ and the attack script do). Kinds:
 - ``fake_states``: the same with another state (another hash) every round;
 - ``flood``: open streams to every peer and leave them open;
 - ``sparse=pile|duplicate|max`` (a sparse codec's freedom): every index of a chunk on one
-  coordinate, a repeated index, or the largest values the format allows (legal bytes).
+  coordinate, a repeated index, or the largest values the format allows (legal bytes);
+- contributions that are not work (p2p/ledger.py's verdicts): ``free_ride`` (zeros, with an
+  honest token claim), ``noise`` (random values with the honest norm), ``replay`` (its
+  previous round's pseudo-gradient again), ``copy_to=PATH`` / ``copy_from=PATH`` (two
+  colluders: one leaves its pseudo-gradient of round r at PATH.r, the other sends that
+  instead of its own), ``overclaim`` (one inner step a round, the tokens of H claimed),
+  ``shirk`` (trains on other data than assigned).
 
 The hooks sit where an attacker would act, in the node's own code. The variable is
 read once, at start-up (``from_environ``, called by ``node.config.load_injection``), into
@@ -25,12 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping
 
 ENV = "GONKA_TEST_HOSTILE"
-_FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "fake_states", "flood")
+COPY_WAIT_SECONDS = 60.0
+_FLAGS = ("abort", "silent_leader", "alter_slice", "fake_state", "fake_states", "flood", "free_ride", "noise",
+          "replay", "overclaim", "shirk")
 _VALUES = ("scale", "fill", "weight")
+_PATHS = ("copy_to", "copy_from")
 _CHOICES = {"sparse": ("pile", "duplicate", "max")}
 
 
@@ -48,6 +59,13 @@ class Behaviour:
     fake_states: bool = False
     flood: bool = False
     sparse: str | None = None
+    free_ride: bool = False
+    noise: bool = False
+    replay: bool = False
+    copy_to: str | None = None
+    copy_from: str | None = None
+    overclaim: bool = False
+    shirk: bool = False
 
     @property
     def fakes_state(self) -> bool:
@@ -68,6 +86,8 @@ def parse(spec: str) -> Behaviour:
             fields[name] = True
         elif name in _CHOICES and value in _CHOICES[name]:
             fields[name] = value
+        elif name in _PATHS and value:
+            fields[name] = value
         elif name in _VALUES and eq:
             try:
                 fields[name] = float(value)
@@ -75,7 +95,8 @@ def parse(spec: str) -> Behaviour:
                 raise ValueError(f"{ENV}: {name} needs a number (got {value!r})") from None
         else:
             choices = ", ".join(f"{key}={'|'.join(values)}" for key, values in _CHOICES.items())
-            raise ValueError(f"{ENV}: unknown behaviour {item!r} (known: {', '.join(_FLAGS + _VALUES)}, {choices})")
+            known = ", ".join(_FLAGS + _VALUES + tuple(f"{p}=PATH" for p in _PATHS))
+            raise ValueError(f"{ENV}: unknown behaviour {item!r} (known: {known}, {choices})")
     return Behaviour(**fields)
 
 
@@ -89,8 +110,35 @@ def from_environ(environ: Mapping[str, str]) -> Behaviour:
 
 # ---- what a lying node does (called where the node's own code would act honestly) ------------
 
-def corrupt(flat, b: Behaviour) -> None:
-    """The pseudo-gradient a member that lies about it sends (``scale``, ``fill``), in place. Tensor work."""
+def corrupt(flat, b: Behaviour, round: int = 0, memory: dict | None = None) -> None:
+    """The pseudo-gradient a member that lies about it sends, in place (``round``: the state it
+    comes from; ``memory``: what a replaying liar keeps between rounds). Tensor work; a colluder
+    copying another's waits for its file (at most COPY_WAIT_SECONDS, then sends its own)."""
+    import torch
+
+    memory = {} if memory is None else memory
+    if b.copy_to:  # leave ours for the colluder (honest values: its copy is the lie)
+        path = f"{b.copy_to}.{round}"
+        torch.save(flat.clone(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+    if b.copy_from:
+        path, deadline = f"{b.copy_from}.{round}", time.monotonic() + COPY_WAIT_SECONDS
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.path.exists(path):
+            theirs = torch.load(path, weights_only=True)
+            if theirs.shape == flat.shape:
+                flat.copy_(theirs)
+    if b.replay:
+        previous = memory.get("replay")
+        memory["replay"] = flat.clone()
+        if previous is not None and previous.shape == flat.shape:
+            flat.copy_(previous)
+    if b.noise:
+        norm = float(flat.norm())
+        flat.normal_().mul_(norm / max(float(flat.norm()), 1e-30))
+    if b.free_ride:
+        flat.zero_()
     if b.scale is not None:
         flat.mul_(b.scale)
     if b.fill is not None:

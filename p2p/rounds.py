@@ -50,6 +50,7 @@ from p2p.group import Group
 from p2p.hostile import HONEST, Behaviour, corrupt, flood as hostile_flood
 from p2p.reachability import Reachability
 from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, combined_digest, guarded, shard_names
+from p2p.ledger import Entry
 from p2p.signing import CommitSigning
 from p2p.swarm import Swarm
 from p2p.votes import VoteExchange
@@ -116,6 +117,7 @@ class RoundProtocol:
         self.shards = None
         self.last = RoundOutcome("none")
         self._flood_task: asyncio.Task | None = None
+        self._lies: dict = {}  # test-only: what a replaying liar keeps (p2p/hostile.py)
         # Whether peers can dial this node (p2p/reachability.py); asked by the node, answered here.
         self.reachability = Reachability(swarm, lambda peer, header, timeout: self._call(peer, "dialback", header,
                                                                                          timeout),
@@ -190,7 +192,7 @@ class RoundProtocol:
         numel = sum(t.numel() for t in tensors)
         flat, donated, fresh = await self.plane.round_input(tensors, donate)
         if self.hostile.any and fresh:
-            await off_loop(corrupt, flat, self.hostile)
+            await off_loop(corrupt, flat, self.hostile, round, self._lies)
         # Not ready before we know whether peers can dial us (a moment, once: p2p/reachability.py).
         await self.reachability.settled()
         started = time.monotonic()
@@ -233,6 +235,7 @@ class RoundProtocol:
         # The round's ledger entry (p2p/ledger.py): what our certificate will cover.
         entry = await asyncio.shield(off_loop(group.ledger_entry))
         self.commits.record(entry)
+        self._account(entry)
         self.signing.committed(group.id, group.members, round + 1, [group.members[i] for i in group.voters()], entry)
         if group.residual_to_write:  # what the round did not deliver of what we sent, for the next one
             await asyncio.shield(off_loop(group.write_residual))
@@ -250,6 +253,19 @@ class RoundProtocol:
         out = None if donated else torch.empty(numel, dtype=torch.float32)
         self.plane.input_consumed()
         return group.committed_average(tensors, out)
+
+    def _account(self, entry: Entry) -> None:
+        """Metrics and a log line of a committed round's ledger entry (p2p/ledger.py)."""
+        for row in entry.rows:
+            for flag in row.flags:
+                self.metrics.ledger_flags.labels(flag=flag).inc()
+            if row.peer == self.swarm.peer_id:
+                self.metrics.credit.inc(row.credit)
+        self.metrics.standing.set(self.commits.standing(entry.round).factor(self.swarm.peer_id))
+        flagged = [f"{r.peer[-8:]}:{'+'.join(r.flags)}" for r in entry.rows if r.flags]
+        log.info("ledger round=%d agreement=%s work=%s%s", entry.round,
+                 "/".join(f"{r.agreement:.3f}" for r in entry.rows), "/".join(f"{r.work:.2f}" for r in entry.rows),
+                 f" flagged {' '.join(flagged)}" if flagged else "")
 
     def _background(self, call) -> None:
         """Run a best-effort request in the background (kept until done, errors logged at debug)."""
