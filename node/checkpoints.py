@@ -3,6 +3,8 @@
 A checkpoint carries everything a resumed run needs to be the same run: the run id
 and fingerprint, the worker's state (θ, outer momentum, inner optimizer, data position),
 the round step, the error-feedback residual and the chain of commit certificates.
+Beside it, every save rewrites the ledger file (``ledger.jsonl``, p2p/ledgerfile.py): the
+chain's certificates that hold, with their ledger entries, for other systems to read.
 trainer/checkpoint.py owns the files (written atomically; a multi-rank host's are
 numbered parts, one per rank, made the latest only when all are written); this class
 owns what goes into them and when. The daemon (node/daemon.py) hands it the training
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from node.errors import UsageError
@@ -94,6 +97,7 @@ class NodeCheckpoints:
         commit; a ``final`` one (at stop, no next commit) raises."""
         if not self.enabled:
             return
+        from p2p.ledgerfile import ledger_certificates
         from trainer.checkpoint import save_checkpoint
 
         worker, metrics = loop.worker, loop.metrics
@@ -110,6 +114,8 @@ class NodeCheckpoints:
                  "worker": worker_state,
                  "feedback": feedback.state_dict() if feedback is not None else None,
                  "commits": loop.rounds.commits.state_dict()}
+        # The ledger file's certificates, copied here on the event loop that adds signatures to them.
+        ledger = ledger_certificates(loop.rounds.commits)
         try:
             if ranks is None:
                 await asyncio.to_thread(save_checkpoint, self.directory, state)
@@ -121,8 +127,22 @@ class NodeCheckpoints:
                 raise
             log.error("checkpoint failed, the previous one stays in use: %s", e)
             return
+        await self._write_ledger(ledger)
         metrics.checkpoints.inc()
         metrics.checkpoint_seconds.observe(time.monotonic() - started)
+
+    async def _write_ledger(self, certs) -> None:
+        """The ledger file beside the checkpoint (p2p/ledgerfile.py, docs/ledger.md), rewritten whole
+        and atomically: ~1.2 KB per member per round with its signature (RSA-2048 keys, 1.16 KB
+        measured), so 1000 rounds of 8 members are ~9 MB and ~0.15 s of one thread, off the event
+        loop, next to a checkpoint of the model. It is derived from the checkpoint's chain: a
+        failure is logged and the next checkpoint writes it again."""
+        from p2p.ledgerfile import FILE_NAME, write_ledger
+
+        try:
+            await asyncio.to_thread(write_ledger, os.path.join(self.directory, FILE_NAME), certs)
+        except OSError as e:
+            log.error("ledger file not written: %s", e)
 
     async def _save_host(self, state: dict, ranks) -> None:
         """Every rank writes its part of checkpoint ``seq`` at once; rank 0 makes it the latest

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from node import admit_cmd, export_cmd, logformat, plan_cmd, plot_cmd, prepare_cmd, top_cmd
+from node import admit_cmd, export_cmd, ledger_cmd, logformat, plan_cmd, plot_cmd, prepare_cmd, top_cmd
 from node.config import ConfigError, default_of, load_config, load_injection, setting_errors, to_toml
 from node.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, PROG, UsageError, report, version
 
@@ -133,6 +133,7 @@ def build_parser() -> ArgumentParser:
     admit_cmd.add_parser(commands)
     plot_cmd.add_parser(commands)
     plan_cmd.add_parser(commands)
+    ledger_cmd.add_parser(commands)
     top_cmd.add_parser(commands, _control_args)
     return parser
 
@@ -310,6 +311,7 @@ COMMANDS = {
     "admit": admit_cmd.run,
     "plot": plot_cmd.run,
     "plan": plan_cmd.run,
+    "ledger": ledger_cmd.run,
     "top": lambda args: top_cmd.run(args, lambda cmd: _ask(args, cmd)),
 }
 
