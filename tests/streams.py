@@ -33,7 +33,7 @@ DEFAULT = 2.0
 SECONDS = {
     "tests/integration/test_faults.py": 250, "tests/integration/test_host_ranks.py": 205,
     "tests/testbed/test_wan_swarm.py": 135, "tests/integration/test_resume.py": 103,
-    "tests/integration/test_hostile.py": 103, "tests/integration/test_overlap.py": 82,
+    "tests/integration/test_hostile.py": 120, "tests/integration/test_overlap.py": 82,
     "tests/unit/test_simulator.py": 68, "tests/integration/test_fingerprint.py": 68,
     "tests/integration/test_heterogeneous.py": 58, "tests/integration/test_hf_run.py": 56,
     "tests/integration/test_closed_swarm.py": 55, "tests/integration/test_swarm.py": 51,

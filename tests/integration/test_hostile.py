@@ -6,6 +6,7 @@ ends asserting that the honest peers hold one params_hash and adopted nothing ho
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -117,3 +118,48 @@ def test_a_minority_announcing_a_far_newer_state_is_not_followed(nodes):
         assert n.wait_exit(60) == 0, n.log()[-3000:]
     last = min(max(n.rounds()) for n in honest + [joiner])
     assert len({n.rounds()[last] for n in honest + [joiner] if last in n.rounds()}) == 1
+
+
+def test_a_free_rider_earns_nothing_is_left_out_and_the_ledger_verifies(nodes, tmp_path):
+    # Issue 35: a member that sends zeros with an honest token claim was averaged in and credited
+    # like the others. Now the ledger entry of its first round flags it; it counts a quarter in
+    # the next and is left out after; an honest peer's ledger file verifies and credits it 0.
+    common = ["--inner-steps", "6", "--min-peers", "3"]
+    ckpt = {name: tmp_path / f"ckpt-{name}" for name in ("honest0", "honest1", "honest2", "rider")}
+    first = nodes("honest0", *common, "--checkpoint-dir", str(ckpt["honest0"]))
+    addr = first.address()
+    honest = [first, *(nodes(f"honest{i}", *common, "--checkpoint-dir", str(ckpt[f"honest{i}"]), "--bootstrap", addr)
+                       for i in (1, 2))]
+    rider = nodes("rider", *common, "--checkpoint-dir", str(ckpt["rider"]), "--bootstrap", addr,
+                  env={"GONKA_TEST_HOSTILE": "free_ride"})
+    rider.address()  # up: its peer id is in its log
+    rider_id = rider.peer_id()
+    wait = re.compile(r"ledger round=(\d+) .*flagged .*" + re.escape(rider_id[-8:]) + ":zero")
+    deadline = time.monotonic() + 240
+    while len(wait.findall(first.log())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    flagged = sorted(int(r) for r in wait.findall(first.log()))
+    assert len(flagged) >= 2, first.log()[-3000:]
+    for n in honest:
+        n.wait_round(flagged[1] + 3, timeout=240)
+    for n in honest + [rider]:
+        n.proc.send_signal(signal.SIGTERM)
+    for n in honest + [rider]:
+        assert n.wait_exit(60) == 0, n.log()[-3000:]
+    ledger = ckpt["honest0"] / "ledger.jsonl"
+    cli = [sys.executable, "-m", "node.cli", "ledger"]
+    verified = subprocess.run([*cli, "verify", str(ledger)], capture_output=True, text=True, timeout=60)
+    assert verified.returncode == 0, verified.stderr
+    out = subprocess.run([*cli, "--checkpoint-dir", str(ckpt["honest0"]), "--json"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    peers = json.loads(out.stdout)["peers"]
+    assert peers[rider_id]["credit"] == 0.0 and peers[rider_id]["flags"]["zero"] == peers[rider_id]["rounds"]
+    for n in honest:
+        n.address()
+        assert peers[n.peer_id()]["flagged"] == 0 and peers[n.peer_id()]["credit"] > 0, peers
+    # Left out: in no entry from the second round after its second flag (a round's standing counts
+    # the entries up to the state it starts from).
+    members = {int(r): int(m) for r, m in re.findall(r"committed round=(\d+) hash=\w+ members=(\d+)", first.log())}
+    later = [r for r in members if r > flagged[1]]
+    assert later and all(members[r] == 3 for r in later), members
