@@ -68,7 +68,8 @@ def fingerprint_terms(config: Config) -> tuple[str, str]:
     cap = member_weight_cap(config)
     # The codec's canonical name: sparse-c4096 and sparse are one format.
     return (get_codec(config.swarm.codec).name,
-            f"agg={config.swarm.aggregator},cap={int(cap) if cap else 'relative'}")
+            f"agg={config.swarm.aggregator},cap={int(cap) if cap else 'relative'}"
+            + (f",checked={config.swarm.checked_members}" if config.swarm.checked_members != 2 else ""))
 
 
 def resolve_device(name: str) -> str:

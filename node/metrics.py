@@ -52,7 +52,7 @@ REASONS = frozenset({
     "fingerprint_mismatch",
     "peer_table_full",
     # trust: closed swarms, owner-bound records, certificates, bounded influence, quarantine
-    "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "bad_entry", "quarantined",
+    "not_admitted", "weight_capped", "audit_failed", "owner_misreported", "bad_certificate", "bad_entry", "bad_check", "bad_checks", "not_checker", "not_declared", "not_ready", "quarantined",
     "uncertified_state", "no_quorum", "state_mismatch", "bad_evidence", "no_certificate", "certificate_without_quorum", "chain_breaks", "hostile",
     "aborted", "aborted_again", "silent_leader", "shunned",
     "record_malformed", "record_other_key", "record_plain_value", "record_oversized", "record_unsigned",
@@ -122,6 +122,14 @@ class NodeMetrics:
         self.credit = Counter("gonka_node_credit_tokens_total",
                               "Tokens credited to this node in the ledger entries of the rounds it committed.",
                               registry=r)
+        self.checks = LabelledMetric(
+            Counter, "gonka_node_checks_total",
+            "Checks this node made of sampled members' updates (p2p/checks.py), by verdict (ok, or the flags).",
+            registry=r, verdict=frozenset(["ok", "unhelpful", "unassigned", "unhelpful+unassigned", "withheld"]))
+        self.scoring_seconds = LabelledMetric(
+            Counter, "gonka_node_scoring_seconds_total",
+            "Seconds spent scoring contributions: Gram matrices of owned pieces, ledger entries, checks "
+            "(fetch and forward passes).", registry=r, part=frozenset(["gram", "entry", "check"]))
         self.standing = Gauge("gonka_node_standing",
                               "Share of this node's tokens the next average counts (1, 0.25 after a flagged round, "
                               "0: left out).", registry=r)

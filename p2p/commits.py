@@ -175,7 +175,8 @@ class CommitLog:
     def standing(self, round: int) -> Standing:
         """What the entries of the STANDING_ROUNDS rounds up to ``round`` (the state a round starts
         from) say of each peer (``ledger.Standing``)."""
-        return Standing(self.entries[r] for r in range(round - STANDING_ROUNDS + 1, round + 1) if r in self.entries)
+        return Standing((self.entries[r] for r in range(round - STANDING_ROUNDS + 1, round + 1) if r in self.entries),
+                        self.entries.get)
 
     def after(self, round: int, limit: int = MAX_CERTS_PER_REPLY) -> list[CommitCertificate]:
         """Our certificates of rounds after ``round`` (oldest first), at most ``limit``."""

@@ -125,6 +125,10 @@ class SwarmConfig:
     # (token-weighted), clip (each member's piece clipped to the median norm,
     # then the weighted mean) or centered_clip (CenteredClip iterations).
     aggregator: str = "clip"
+    # Members sampled each round whose update two others check against its assigned data
+    # (p2p/checks.py); 0: none. Each check fetches one member's encoded update and runs a few
+    # forward passes; more catch a shirker sooner. Part of the run's fingerprint.
+    checked_members: int = 2
     # Seconds a peer that aborted rounds, lied or failed checks is left out.
     quarantine_seconds: float = 300.0
     # Streams one peer may have open to this node at once (all protocols).
@@ -148,6 +152,8 @@ class SwarmConfig:
                 f"must be in (0, 1] (got {self.error_feedback_decay})")
         require(MIN_STATE_CHUNK_BYTES <= self.state_chunk_bytes <= 64 * 1024 * 1024, "swarm.state_chunk_bytes",
                 f"must be between 64 KiB and 64 MiB (got {self.state_chunk_bytes})")
+        require(0 <= self.checked_members <= 1024, "swarm.checked_members",
+                f"must be between 0 and 1024 (got {self.checked_members})")
         require(0 <= self.catchup_rounds <= 64, "swarm.catchup_rounds",
                 f"must be between 0 and 64 (got {self.catchup_rounds})")
         require(self.aggregator in AGGREGATORS, "swarm.aggregator",

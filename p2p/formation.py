@@ -67,9 +67,10 @@ class GroupFormation:
 
     def __init__(self, swarm, plane, conduct, votes, reachability, metrics, *,
                  call: Callable[..., Awaitable], background: Callable[[Awaitable], None],
-                 standing: Callable[[int], Standing] = lambda round: Standing(())) -> None:
+                 standing: Callable[[int], Standing] = lambda round: Standing(()), checks=None) -> None:
         """``standing(round)``: what the ledger's last entries up to ``round`` say of each peer
-        (p2p/ledger.py): its weight in the group, or that it is left out."""
+        (p2p/ledger.py): its weight in the group, or that it is left out. ``checks``: the
+        check records a leader proposes and a member accepts (p2p/checks.py ``CheckBook``)."""
         cfg = swarm.config
         self.swarm = swarm
         self.plane = plane  # p2p/shard.py: makes, installs and leaves the groups
@@ -79,6 +80,7 @@ class GroupFormation:
         self.metrics = metrics
         self._call = call  # (peer, request name, header) -> (reply header, payload)
         self.standing = standing
+        self.checks = checks
         self._background = background
         self.min_peers = cfg.min_peers
         self.gather_timeout = cfg.gather_timeout
@@ -115,7 +117,11 @@ class GroupFormation:
         reported = started
         self.hints.retain(lambda p, r: r[0] >= round)
         # Hint at once from the last table read; the fresh read below corrects the guess if needed.
-        left_out = self.standing(round).left_out() - {self.swarm.peer_id}
+        left_out = self.standing(round).left_out()
+        # Left out ourselves, we lead nothing: the others group without us and move on, and we
+        # follow them (behind) until our flags age out of the ledger's window.
+        benched = self.swarm.peer_id in left_out
+        left_out = left_out - {self.swarm.peer_id}
         hinted_to = self._hint_leader(self._grouping(self.swarm.peers, left_out), round, None)
         woken = False
         while True:
@@ -130,8 +136,8 @@ class GroupFormation:
             if decision.action == "behind":
                 raise Behind()
             hinted_to = self._hint_leader(look.grouping, round, hinted_to, decision.ready)
-            if decision.action == "lead" and self.plane.hostile.silent_leader:
-                pass  # test-only: a leader that announces ready and never starts the round
+            if decision.action == "lead" and (self.plane.hostile.silent_leader or benched):
+                pass  # left out by the ledger, or test-only: a leader that announces ready and never starts
             elif decision.action == "lead":
                 group = await self.lead(round, decision.ready, decision.owners)
                 if group is not None:
@@ -186,7 +192,9 @@ class GroupFormation:
         others = [p for p in members if p != self.swarm.peer_id]
         # As many lanes as the farthest member's round-trip time asks for (p2p/lanes.py).
         lanes = lanes_for_rtt(self._farthest(members))
-        group = self._new_group(os.urandom(16), round, members, waiting, lanes, owners)
+        proposed = self.checks.for_proposal() if self.checks is not None else []
+        records = self.checks.accept(proposed) if proposed else []
+        group = self._new_group(os.urandom(16), round, members, waiting, lanes, owners, records)
         self._install(group)
         waiting.group.set_result(group)
         for p in members:  # a hint counts once: after this attempt a member is ready again only when it says so
@@ -194,6 +202,7 @@ class GroupFormation:
         header = {"g": group.id, "r": round, "members": members, "numel": waiting.flat.numel(),
                   "codec": self.plane.codec.name, "h": waiting.state, "lanes": lanes,
                   "sd": self.standing(round).digest(members),
+                  **({"checks": proposed} if proposed else {}),
                   **({"owners": owners} if owners else {})}
         results = await asyncio.gather(*(self._call(p, "begin", header) for p in others), return_exceptions=True)
         refused = [p for p, res in zip(others, results) if isinstance(res, BaseException) or not res[0].get("ok")]
@@ -213,10 +222,10 @@ class GroupFormation:
         return None
 
     def _new_group(self, gid: bytes, round: int, members: list[str], waiting: Wait, lanes: int,
-                   owners: list[str] | None) -> Group:
+                   owners: list[str] | None, checks: list | None = None) -> Group:
         group = self.plane.new_group(gid, round, members, waiting.flat, waiting.weight,
                                      residual_added=waiting.donated, lanes=lanes, owners=owners,
-                                     factors=self.standing(round).factors(members))
+                                     factors=self.standing(round).factors(members), checks=checks)
         group.rtt = self._farthest(members)  # deadlines grow with it (p2p/deadline.py)
         return group
 
@@ -254,7 +263,12 @@ class GroupFormation:
                          sender[-8:], refused)
             await reply(writer, {"ok": False, "reason": refused})
             return
-        group = self._new_group(begin.gid, begin.round, begin.members, waiting, begin.lanes, begin.owners)
+        try:  # the leader's check records, each verified (p2p/checks.py)
+            records = self.checks.accept(header.get("checks", [])) if self.checks is not None else []
+        except ValueError:
+            await reply(writer, {"ok": False, "reason": "bad_checks"})
+            return
+        group = self._new_group(begin.gid, begin.round, begin.members, waiting, begin.lanes, begin.owners, records)
         self._install(group)
         waiting.group.set_result(group)
         await reply(writer, {"ok": True})

@@ -92,6 +92,8 @@ class Group:
     # Per member, the share of its capped weight the average counts: its standing in the ledger
     # (p2p/ledger.py), the same on every member (the leader's proposal names it). None: all 1.
     factors: list[float] | None = None
+    # Check records of earlier rounds the leader proposed (p2p/checks.py): this round's entry carries them.
+    checks: list = field(default_factory=list)
     votes: dict[int, bytes] = field(default_factory=dict)
     failure: RoundFailed | None = None
     failed_by: str | None = None  # the member whose stream to us the failure came on, if one did
@@ -120,6 +122,10 @@ class Group:
         # Our vector and what encoding it leaves (p2p/contribution.py); ``sent`` is the buffer it uses.
         self.mine = Contribution(self.flat, self.codec, self.residual, self.sent, self.bounds[self.index])
         self.sent = self.mine.sent
+        # Our encoded pieces as the owners got them, kept for a checker if the round commits and
+        # we are sampled (p2p/checks.py): one encoded copy of our vector.
+        self.kept: dict[tuple[int, int], bytes] = {}
+        self.gram_seconds = 0.0  # spent on the Gram matrices of our part (the scores' cost here)
         # The inputs to our own part as they come, and its averaged pieces (p2p/ownedpart.py).
         self.part = OwnedPart(len(self.members), self.pieces[self.index], self.lanes(self.index))
         # piece_digest of every averaged piece of every part, filled as they are placed.
@@ -210,7 +216,9 @@ class Group:
             raise RoundFailed(e.reason) from None
         if index == self.index:  # our own entry of our own declaration (the others' we check if audited)
             self.part.hashed(k, self.index, payload)
-        return self._forged(index, end - start, payload)
+        sent = self._forged(index, end - start, payload)
+        self.kept[(index, k)] = sent
+        return sent
 
     def _forged(self, index: int, numel: int, payload: bytes) -> bytes:
         """Test-only (p2p/hostile.py ``sparse=``): what a liar sends the owners of other parts
@@ -278,7 +286,9 @@ class Group:
         start, end = self.pieces[self.index][k]
         inputs = [x if isinstance(x, torch.Tensor) else self.codec.decode(x, end - start)  # checked when it came
                   for x in self.part.inputs(k)]
+        started = time.perf_counter()
         gram = piece_gram(inputs)  # before the aggregator, which may clip in place
+        self.gram_seconds += time.perf_counter() - started
         weights = self.effective_weights()
         data = self.aggregate([(weights[i], inputs[i]) for i in range(len(self.members))])
         if self.hostile.alter_slice:  # test-only: an owner that returns a finite but wrong average
@@ -326,7 +336,8 @@ class Group:
         claimed = [hi for _, hi in weights]
         counted = counted_weights([lo for lo, _ in weights], self.weight_cap, self.factors)
         scores = member_scores(total_gram(self.audit.grams(), len(self.members)), claimed)
-        return build_entry(self.round + 1, self.members, claimed, counted, self.factors, scores)
+        return build_entry(self.round + 1, self.members, claimed, counted, self.factors, scores, self.checks,
+                           self.owners or ())
 
     # ---- waiting on the exchange -------------------------------------------------
 

@@ -12,8 +12,9 @@ with the certificate (p2p/commits.py; the file format for other systems:
 docs/ledger.md).
 
 *Standing* (``Standing``): a member flagged in one of the last STANDING_ROUNDS
-entries counts DOWN_WEIGHT of its tokens in the average; flagged in two, it is left
-out of groups until they age out. It is a pure function of the entries, which every
+entries (by its row's flags, or by every checker of a check those entries carry,
+p2p/checks.py) counts DOWN_WEIGHT of its tokens in the average; flagged for two
+rounds, it is left out of groups until they age out. It is a pure function of the entries, which every
 peer at the same state holds (a joiner gets them with the certificate chain), so
 every member of a group computes the same weights (the leader's proposal carries a
 digest of them: ``Standing.digest``).
@@ -31,14 +32,16 @@ could be the liar):
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import msgpack
 
+from p2p.checks import MAX_CHECKS_PER_ENTRY, CheckRecord, checkers_of, failed
 from p2p.scores import Score
 
 ENTRY_VERSION = 1
@@ -93,17 +96,24 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A committed round's ledger entry: one row per member, in member order."""
+    """A committed round's ledger entry: one row per member, in member order; the checks of
+    earlier rounds its leader proposed (p2p/checks.py); the members that owned a part (empty:
+    all), which the checks' beacon chooses among."""
 
     round: int  # the round the commit produced (as its certificate's)
     rows: tuple[Row, ...]
+    checks: tuple[CheckRecord, ...] = ()
+    owners: tuple[str, ...] = ()
 
     @property
     def members(self) -> tuple[str, ...]:
         return tuple(r.peer for r in self.rows)
 
     def to_list(self) -> list:
-        return [ENTRY_VERSION, self.round, [r.to_list() for r in self.rows]]
+        out = [ENTRY_VERSION, self.round, [r.to_list() for r in self.rows]]
+        if self.checks or self.owners:
+            out += [[c.to_wire() for c in self.checks], list(self.owners)]
+        return out
 
     def pack(self) -> bytes:
         return msgpack.packb(self.to_list(), use_bin_type=True)
@@ -114,28 +124,56 @@ class Entry:
 
     @classmethod
     def from_list(cls, value) -> "Entry":
-        """Parse an entry from a peer or a file; ValueError("bad_entry") if malformed."""
-        if not (isinstance(value, list) and len(value) == 3 and value[0] == ENTRY_VERSION):
+        """Parse an entry from a peer or a file (check records verified); ValueError("bad_entry")
+        if malformed."""
+        if not (isinstance(value, list) and len(value) in (3, 5) and value[0] == ENTRY_VERSION):
             raise ValueError("bad_entry")
-        _, rnd, rows = value
+        rnd, rows = value[1], value[2]
+        checks, owners = value[3:] if len(value) == 5 else ([], [])
         if not (isinstance(rnd, int) and not isinstance(rnd, bool) and 0 < rnd < 2**53
-                and isinstance(rows, list) and 0 < len(rows) <= MAX_ROWS):
+                and isinstance(rows, list) and 0 < len(rows) <= MAX_ROWS
+                and isinstance(checks, list) and len(checks) <= MAX_CHECKS_PER_ENTRY
+                and isinstance(owners, list) and all(isinstance(o, str) for o in owners)):
             raise ValueError("bad_entry")
-        entry = cls(rnd, tuple(Row.from_list(r) for r in rows))
+        try:
+            records = tuple(CheckRecord.from_wire(c) for c in checks)
+        except ValueError:
+            raise ValueError("bad_entry") from None
+        entry = cls(rnd, tuple(Row.from_list(r) for r in rows), records, tuple(owners))
         peers = entry.members
-        if list(peers) != sorted(set(peers)) or any(r.partner >= len(rows) for r in entry.rows):
+        if (list(peers) != sorted(set(peers)) or any(r.partner >= len(rows) for r in entry.rows)
+                or list(owners) != sorted(set(owners)) or not set(owners) <= set(peers)
+                or any(r.round >= rnd for r in records)):
             raise ValueError("bad_entry")
         return entry
 
     def to_json(self) -> dict:
-        return {"version": ENTRY_VERSION, "round": self.round, "rows": [r.to_json() for r in self.rows]}
+        out = {"version": ENTRY_VERSION, "round": self.round, "rows": [r.to_json() for r in self.rows]}
+        if self.checks or self.owners:
+            out["checks"] = [{"scope": c.scope, "round": c.round, "sampled": c.sampled, "checker": c.checker,
+                              "gains": list(c.gains), "public_key": base64.b64encode(c.public_key).decode(),
+                              "signature": base64.b64encode(c.signature).decode()} for c in self.checks]
+            out["owners"] = list(self.owners)
+        return out
 
     @classmethod
     def from_json(cls, value) -> "Entry":
         if not (isinstance(value, dict) and isinstance(value.get("rows"), list)):
             raise ValueError("bad_entry")
         rows = [[r.get(f) for f in _FIELDS] if isinstance(r, dict) else None for r in value["rows"]]
-        return cls.from_list([value.get("version"), value.get("round"), rows])
+        wire = [value.get("version"), value.get("round"), rows]
+        if "checks" in value or "owners" in value:
+            checks = value.get("checks")
+            if not isinstance(checks, list) or not all(isinstance(c, dict) for c in checks):
+                raise ValueError("bad_entry")
+            try:
+                wire += [[[c.get("scope"), c.get("round"), c.get("sampled"), c.get("checker"), c.get("gains"),
+                           base64.b64decode(c.get("public_key", ""), validate=True),
+                           base64.b64decode(c.get("signature", ""), validate=True)] for c in checks],
+                         value.get("owners")]
+            except (ValueError, TypeError):
+                raise ValueError("bad_entry") from None
+        return cls.from_list(wire)
 
 
 def verdicts(scores: list[Score]) -> list[tuple[str, ...]]:
@@ -159,25 +197,39 @@ def verdicts(scores: list[Score]) -> list[tuple[str, ...]]:
 
 
 def build_entry(round: int, members: list[str], claimed: list[float], counted: list[float],
-                factors: list[float], scores: list[Score]) -> Entry:
+                factors: list[float], scores: list[Score], checks: Iterable[CheckRecord] = (),
+                owners: Iterable[str] = ()) -> Entry:
     """The entry of a committed round, the same on every member."""
     rows = []
     for peer, c, n, f, s, flags in zip(members, claimed, counted, factors, scores, verdicts(scores)):
         rows.append(Row(peer, float(c), float(n), float(f), s.norm, s.agreement, s.copy, s.partner, s.work,
                         flags, 0.0 if flags else float(n)))
-    return Entry(round, tuple(rows))
+    return Entry(round, tuple(rows), tuple(checks), tuple(owners))
 
 
 class Standing:
     """What the last entries say of each peer: the share of its tokens the next average counts."""
 
-    def __init__(self, entries: Iterable[Entry]) -> None:
-        """``entries``: the last STANDING_ROUNDS (or fewer) entries before the round to weigh."""
-        self.flagged: dict[str, int] = {}
+    def __init__(self, entries: Iterable[Entry], lookup: Callable[[int], Entry | None] = lambda round: None) -> None:
+        """``entries``: the last STANDING_ROUNDS (or fewer) entries before the round to weigh;
+        ``lookup(round)``: the entry of a round a check in them is about, if known (whose
+        beacon chose its checkers)."""
+        entries = list(entries)
+        rounds: dict[str, set[int]] = {}
         for entry in entries:
             for row in entry.rows:
                 if row.flags:
-                    self.flagged[row.peer] = self.flagged.get(row.peer, 0) + 1
+                    rounds.setdefault(row.peer, set()).add(entry.round)
+
+        def checkers(round: int, sampled: str) -> tuple[str, ...] | None:
+            checked = lookup(round)
+            if checked is None or sampled not in checked.members:
+                return None
+            return checkers_of(checked.digest(), list(checked.members), sampled)
+
+        for sampled, rnd in failed([c for e in entries for c in e.checks], checkers):
+            rounds.setdefault(sampled, set()).add(rnd)
+        self.flagged = {peer: len(r) for peer, r in rounds.items()}
 
     def factor(self, peer: str) -> float:
         """1, DOWN_WEIGHT after one flagged round in the window, 0 (left out) after two."""

@@ -50,6 +50,7 @@ from p2p.group import Group
 from p2p.hostile import HONEST, Behaviour, corrupt, flood as hostile_flood
 from p2p.reachability import Reachability
 from p2p.shard import DATA_REQUESTS, Dialer, ShardPlane, combined_digest, guarded, shard_names
+from p2p.checks import CheckBook
 from p2p.ledger import Entry
 from p2p.signing import CommitSigning
 from p2p.swarm import Swarm
@@ -59,7 +60,7 @@ from p2p.wire import SMALL_HEADER_BYTES, WireError, field as hfield, reply
 log = logging.getLogger(__name__)
 
 # The control plane's requests; a shard's all-reduce and audit are its own (p2p/shard.py).
-CONTROL_REQUESTS = ("begin", "vote", "ready", "sign", "refuse", "dialback")
+CONTROL_REQUESTS = ("begin", "vote", "ready", "sign", "refuse", "dialback", "input", "check")
 
 
 @dataclass(slots=True)
@@ -122,9 +123,12 @@ class RoundProtocol:
         self.reachability = Reachability(swarm, lambda peer, header, timeout: self._call(peer, "dialback", header,
                                                                                          timeout),
                                          cfg.request_timeout)
+        # Checks of sampled members' updates against their assigned data (p2p/checks.py).
+        self.checks = CheckBook(swarm, self.commits, self._call, metrics, cfg.checked_members)
         # How this peer gets into a group of a round (p2p/formation.py).
         self.formation = GroupFormation(swarm, self.plane, self.conduct, self.votes, self.reachability, metrics,
-                                        call=self._call, background=self._background, standing=self.commits.standing)
+                                        call=self._call, background=self._background, standing=self.commits.standing,
+                                        checks=self.checks)
 
     async def start(self) -> None:
         kernels = getattr(self.codec, "kernels", None)
@@ -135,7 +139,8 @@ class RoundProtocol:
         await p2p.add_binary_stream_handler(self._names["begin"], self._guard(self.formation.on_begin,
                                                                               max_header=None))
         handlers = {"vote": self._on_vote, "ready": self.formation.on_ready, "sign": self._on_sign,
-                    "refuse": self._on_refuse, "dialback": self.reachability.on_dialback}
+                    "refuse": self._on_refuse, "dialback": self.reachability.on_dialback,
+                    "input": self.checks.on_input, "check": self.checks.on_check}
         assert set(handlers) == set(CONTROL_REQUESTS[1:])
         for name, handler in handlers.items():
             await p2p.add_binary_stream_handler(self._names[name], self._guard(handler))
@@ -233,9 +238,13 @@ class RoundProtocol:
         blamed = self.conduct.judge(group)
         seconds = time.monotonic() - gathered
         # The round's ledger entry (p2p/ledger.py): what our certificate will cover.
+        built = time.perf_counter()
         entry = await asyncio.shield(off_loop(group.ledger_entry))
+        self.metrics.scoring_seconds.labels(part="gram").inc(group.gram_seconds)
+        self.metrics.scoring_seconds.labels(part="entry").inc(time.perf_counter() - built)
         self.commits.record(entry)
         self._account(entry)
+        self.checks.committed(group, entry)
         self.signing.committed(group.id, group.members, round + 1, [group.members[i] for i in group.voters()], entry)
         if group.residual_to_write:  # what the round did not deliver of what we sent, for the next one
             await asyncio.shield(off_loop(group.write_residual))

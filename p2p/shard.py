@@ -290,7 +290,7 @@ class ShardPlane:
 
     def new_group(self, gid: bytes, round: int, members: list[str], flat: torch.Tensor, weight: float,
                   residual_added: bool = True, lanes: int = LANES, owners: list[str] | None = None,
-                  factors: list[float] | None = None) -> Group:
+                  factors: list[float] | None = None, checks: list | None = None) -> Group:
         """A group reducing ``flat``. ``residual_added``: error feedback's residual was folded into
         ``flat`` once, for every attempt of the round (``fold``: a donated pseudo-gradient, a
         rank's shard), and ``flat`` is the residual's vector now: the group works in place
@@ -310,7 +310,7 @@ class ShardPlane:
         return Group(gid, round, members, self.me, flat, weight, self.codec, residual, sent,
                      aggregator=self.aggregator, weight_cap=self.weight_cap, feedback_decay=self.feedback_decay,
                      hostile=self.hostile, lanes_per_part=lanes,
-                     owners=owners, factors=factors)
+                     owners=owners, factors=factors, checks=list(checks or []))
 
     def install(self, group: Group) -> None:
         self.group = group

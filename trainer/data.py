@@ -145,6 +145,27 @@ def _numbers(key: bytes, index: int, n: int, count: int) -> np.ndarray:
     return (np.frombuffer(blocks, dtype="<u8")[:n] % np.uint64(count)).astype(np.int64)
 
 
+def _stream(key: bytes, first: int, n: int, count: int) -> np.ndarray:
+    """Windows ``first`` .. ``first + n - 1`` of the stream keyed by ``key``: window w is the
+    64-bit value w % 8 of blake2b over (0, w // 8), reduced modulo ``count``."""
+    if n <= 0:
+        return np.empty(0, dtype=np.int64)
+    b0, b1 = first // 8, (first + n - 1) // 8 + 1
+    blocks = b"".join(hashlib.blake2b(struct.pack("<QQ", 0, b), digest_size=64, key=key).digest()
+                      for b in range(b0, b1))
+    values = np.frombuffer(blocks, dtype="<u8")[first - 8 * b0 : first - 8 * b0 + n]
+    return (values % np.uint64(count)).astype(np.int64)
+
+
+def stream_windows(run_key: str, shard_key: str, round: int, windows: range, count: int) -> np.ndarray:
+    """The training windows (numbers of ``count``) at positions ``windows`` of peer ``shard_key``'s
+    stream of ``round``: a member that trained T tokens in the round (sequences of seq_len)
+    trained exactly its first T / seq_len, whatever its batch size (``assigned_windows``). A
+    checker reconstructs them from the member's claim alone (p2p/checks.py)."""
+    assert round >= 0 and windows.step == 1 and windows.start >= 0
+    return _stream(_round_key(run_key, shard_key, round), windows.start, len(windows), count)
+
+
 def assigned_windows(run_key: str, shard_key: str, round: int, steps: range | int, batch_size: int,
                      count: int) -> np.ndarray:
     """[len(steps), batch_size] int64: the numbers of the training windows (of ``count``) of
@@ -156,10 +177,12 @@ def assigned_windows(run_key: str, shard_key: str, round: int, steps: range | in
     the steps' pseudo-gradient goes into. ``shard_key`` is the peer id, ``<peer id>/rank<k>``
     for rank k of a multi-rank host (each rank draws its own batches).
 
-    The generator is counter-mode blake2b keyed by a hash of (run key, shard key, round): window
-    i of step j is one hash of (j, i) under that key, so any step is computed directly, without
-    drawing those before it, and no library's random stream (torch's and numpy's generators may
-    change between versions) decides which data a checker reconstructs.
+    The peer's round is one stream of windows (``stream_windows``), and step j with batch b
+    takes windows j b .. (j + 1) b - 1 of it: the windows trained depend on the tokens trained,
+    not on how they were batched, so a checker that knows only a member's token claim knows
+    its windows. The stream is counter-mode blake2b keyed by a hash of (run key, shard key,
+    round): any window is computed directly, and no library's random stream (torch's and
+    numpy's generators may change between versions) decides which data a checker reconstructs.
 
     Another peer's windows are drawn from the same split by another key: two peers' streams
     overlap only by chance (a window one peer draws in a round is among another's n draws
@@ -171,7 +194,7 @@ def assigned_windows(run_key: str, shard_key: str, round: int, steps: range | in
     out = np.empty((len(steps), batch_size), dtype=np.int64)
     for row, j in enumerate(steps):
         assert j >= 0
-        out[row] = _numbers(key, j, batch_size, count)
+        out[row] = _stream(key, j * batch_size, batch_size, count)
     return out
 
 
@@ -334,6 +357,13 @@ class ShardSampler:
         member that sent n steps' worth of tokens in that round."""
         numbers = assigned_windows(self.run_key, shard_key, round, steps, self.batch_size, self._train.count)
         return [self._windows(self._train, row) for row in numbers]
+
+    def stream_batches(self, shard_key: str, round: int, windows: range) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Windows ``windows`` of peer ``shard_key``'s stream of ``round`` (``stream_windows``), in
+        batches of this sampler's batch size."""
+        numbers = stream_windows(self.run_key, shard_key, round, windows, self._train.count)
+        return [self._windows(self._train, numbers[i : i + self.batch_size])
+                for i in range(0, len(numbers), self.batch_size)]
 
     def heldout_batch(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One batch of the held-out split chosen by ``seed`` (a checker's draw): the same on every

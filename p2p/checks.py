@@ -1,0 +1,388 @@
+"""Checks: members chosen by a beacon test sampled members' updates against their assigned data.
+
+The Gram scores (p2p/scores.py) see what an input looks like next to the others'; they
+cannot tell an update trained on other data than the member's own (``shirk``), or last
+round's update sent again (``replay``), from honest work. A check can (Templar's Gauntlet,
+arXiv 2505.21684, among the peers themselves):
+
+- **Who.** After round r commits, its ledger entry's digest is the *beacon*: it covers every
+  member's input hashes and scores, so no member knows it before all inputs were sent, and
+  every member computes the same one. It orders the members that own a part (dialable ones;
+  ``assignments``); the first CHECKED are *sampled*, each checked by the CHECKERS members after
+  it in that order.
+- **What.** Every member keeps the encoded pieces it sent in round r until the next commit
+  (one encoded copy of its vector: 1/85 of fp32 with the sparse codec). A checker fetches the
+  sampled member's (``input`` requests, the checker only), checks every piece against the
+  owners' declarations (the hash every member voted on) and decodes it: u, what the owners
+  averaged. It measures (trainer/check.py) the loss θ − u removes on the last CHECK_WINDOWS
+  windows the member's token claim says it trained (its stream, trainer/data.py
+  ``stream_windows``) and on CHECK_WINDOWS other training windows chosen by the beacon, and
+  the same for its own update on its own windows: ``gains`` = (assigned, control,
+  reference assigned, reference control).
+- **Verdict** (``judge``, a pure function of the gains, checked by every receiver): *unhelpful*
+  when u removes less than UNHELPFUL of what the checker's own update removes on the control
+  windows (noise, zeros, a replay: a stale update is worth little at the new θ); *unassigned*
+  when its advantage on its own windows over the control is below UNASSIGNED of the
+  checker's (it did not learn its windows: trained on other data, or did not train them);
+  *withheld* when the member does not hand its input over.
+- **Record.** The checker signs a ``CheckRecord`` and sends it to every live peer. A leader puts
+  the records it holds into its next proposal; every member checks each (signature, the
+  beacon's assignment, the verdict from the gains) before it accepts the group, and the
+  round's ledger entry carries them, so the commit certificate covers them. A sampled member
+  counts as flagged for round r (p2p/ledger.py ``Standing``) only when *every* one of its
+  checkers flagged it: one lying checker cannot frame an honest member.
+
+Cost per round: CHECKED x CHECKERS fetches of one member's encoded vector (sparse at 70B: 3.3 GB
+each, against 3.3 GB each way of the all-reduce) and, per checker, one load of θ − u and of θ
+into the model and 3 x 3 x CHECK_WINDOWS windows of forward passes. Checks need the local copy
+free at the round boundary: single-rank hosts without overlap (docs/ledger.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
+
+import msgpack
+import torch
+
+from p2p.digests import DECLARED, input_hash, parse_declaration
+from p2p.limits import BoundedDict
+from p2p.quorum import live_peers
+from p2p.records import peer_id_of_public_key, verify_rsa
+from p2p.wire import WireError, field as hfield, reply, write_frame
+
+log = logging.getLogger(__name__)
+
+CHECKED = 2  # members sampled each round by default (swarm.checked_members)
+CHECKERS = 2  # checkers of each sampled member
+MIN_CHECKED_GROUP = 3  # smaller groups are not checked (p2p/ledger.py MIN_JUDGED)
+CHECK_WINDOWS = 32  # windows of each kind a check evaluates
+UNHELPFUL = 0.25
+UNASSIGNED = 0.25
+MIN_ADVANTAGE = 0.1
+CHECK_FLAGS = ("unhelpful", "unassigned", "withheld")
+MAX_CHECKS_PER_ENTRY = 16
+INPUT_PIECES = 16  # pieces per ``input`` request
+FETCH_SECONDS = 120.0  # the most a checker spends fetching one input
+_KEY_BYTES, _SIGNATURE_BYTES = 1024, 1024
+
+
+def _order(beacon: bytes, members: list[str]) -> list[str]:
+    return sorted(members, key=lambda m: hashlib.sha256(beacon + m.encode()).digest())
+
+
+def checkers_of(beacon: bytes, members: list[str], sampled: str) -> tuple[str, ...]:
+    """Who checks ``sampled`` if the beacon samples it: the CHECKERS members after it in the
+    beacon's order."""
+    order = _order(beacon, members)
+    i = order.index(sampled)
+    return tuple(order[(i + 1 + j) % len(order)] for j in range(min(CHECKERS, len(order) - 1)))
+
+
+def assignments(beacon: bytes, members: list[str], owners: list[str] | None = None,
+                checked: int = CHECKED) -> dict[str, tuple[str, ...]]:
+    """Sampled member -> its checkers, for a round whose entry digest is ``beacon``: the first
+    ``checked`` members that own a part in the beacon's order (a member that owns none may not
+    be dialable); any member checks."""
+    if len(members) < MIN_CHECKED_GROUP:
+        return {}
+    dialable = set(owners or members)
+    sampled = [p for p in _order(beacon, members) if p in dialable][:checked]
+    return {p: checkers_of(beacon, members, p) for p in sampled}
+
+
+def judge(gains: tuple[float, ...]) -> tuple[str, ...]:
+    """The verdict of a check from its ``gains`` (assigned, control, reference assigned,
+    reference control); () measured nothing (the member withheld its input).
+
+    A verdict needs the reference to show what it tests: the checker's own update removing loss
+    on the control windows (else nothing is learned from θ here: late in a run, or an early
+    round), and, for *unassigned*, learning its own windows by at least MIN_ADVANTAGE of that
+    (in the first rounds an update learns what all windows share, and a window's own share is
+    lost in the noise: measured in docs/ledger.md)."""
+    if not gains:
+        return ("withheld",)
+    assigned, control, ref_assigned, ref_control = gains
+    if ref_control <= 0:
+        return ()
+    flags = []
+    if control < UNHELPFUL * ref_control and assigned < UNHELPFUL * ref_assigned:
+        flags.append("unhelpful")
+    advantage, reference = assigned - control, ref_assigned - ref_control
+    if reference >= MIN_ADVANTAGE * ref_control and advantage < UNASSIGNED * reference:
+        flags.append("unassigned")
+    return tuple(flags)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckRecord:
+    """A checker's signed word on one sampled member's update of one round."""
+
+    scope: str
+    round: int  # the round the update went into (its commit's number)
+    sampled: str
+    checker: str
+    gains: tuple[float, ...]  # (assigned, control, reference assigned, reference control); () if withheld
+    public_key: bytes
+    signature: bytes
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return judge(self.gains)
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return self.round, self.sampled, self.checker
+
+    def message(self) -> bytes:
+        return signed_message(self.scope, self.round, self.sampled, self.checker, self.gains)
+
+    def to_wire(self) -> list:
+        return [self.scope, self.round, self.sampled, self.checker, list(self.gains), self.public_key, self.signature]
+
+    @classmethod
+    def from_wire(cls, value) -> "CheckRecord":
+        """Parse and verify (signature by the checker's own key); ValueError("bad_check") if not."""
+        if not (isinstance(value, list) and len(value) == 7):
+            raise ValueError("bad_check")
+        scope, rnd, sampled, checker, gains, public_key, signature = value
+        if not (isinstance(scope, str) and len(scope) <= 256 and isinstance(rnd, int) and not isinstance(rnd, bool)
+                and 0 < rnd < 2**53 and all(isinstance(p, str) and 0 < len(p) <= 128 for p in (sampled, checker))
+                and sampled != checker and isinstance(gains, list) and len(gains) in (0, 4)
+                and all(isinstance(g, float) and math.isfinite(g) for g in gains)
+                and isinstance(public_key, bytes) and len(public_key) <= _KEY_BYTES
+                and isinstance(signature, bytes) and len(signature) <= _SIGNATURE_BYTES):
+            raise ValueError("bad_check")
+        record = cls(scope, rnd, sampled, checker, tuple(gains), public_key, signature)
+        if peer_id_of_public_key(public_key) != checker or not verify_rsa(public_key, record.message(), signature):
+            raise ValueError("bad_check")
+        return record
+
+
+def signed_message(scope: str, round: int, sampled: str, checker: str, gains: tuple[float, ...]) -> bytes:
+    return msgpack.packb(["gonka-check", scope, round, sampled, checker, list(gains)])
+
+
+def failed(records: Iterable[CheckRecord], checkers: Callable[[int, str], tuple[str, ...] | None]
+           ) -> set[tuple[str, int]]:
+    """(sampled, round) of every check whose assigned checkers (``checkers(round, sampled)``; None:
+    unknown) all flagged it in ``records``."""
+    flagged: dict[tuple[str, int], set[str]] = {}
+    for r in records:
+        if r.flags:
+            flagged.setdefault((r.sampled, r.round), set()).add(r.checker)
+    out = set()
+    for (sampled, rnd), by in flagged.items():
+        assigned = checkers(rnd, sampled)
+        if assigned and set(assigned) <= by:
+            out.add((sampled, rnd))
+    return out
+
+
+@dataclass(eq=False)
+class _Retained:
+    """What this member keeps of its last committed round for checks."""
+
+    round: int
+    members: list[str]
+    pieces: list[list[tuple[int, int]]]
+    declared: list[list[bytes]]  # the owners' declarations of every piece (input hashes)
+    sent: dict[tuple[int, int], bytes]  # our encoded pieces as the owners got them
+    codec: object
+    numel: int
+    assigned: dict[str, tuple[str, ...]]
+    fetches: dict[str, asyncio.Task]
+
+
+class CheckBook:
+    """This node's part in checks: its last round's input kept for checkers, the fetches of the
+    inputs it checks, and the records it holds until a round's entry carries them."""
+
+    def __init__(self, swarm, commits, call: Callable[..., Awaitable], metrics, checked: int = CHECKED) -> None:
+        """``checked``: members sampled each round (``swarm.checked_members``, the same in the
+        whole run: it is part of the fingerprint)."""
+        self.swarm = swarm
+        self.checked = checked
+        self.commits = commits  # p2p/commits.py CommitLog: the entries a record is checked against
+        self._call = call
+        self.metrics = metrics
+        self.last: _Retained | None = None
+        self.pending: BoundedDict = BoundedDict(256)  # record key -> CheckRecord, not yet in an entry
+
+    # ---- our side: what we keep, whom we check ----------------------------------------
+
+    def committed(self, group, entry) -> None:
+        """Round ``entry.round`` committed with ``group``: keep what we sent, and start fetching
+        the inputs of the members we check (they may be gone by the next commit)."""
+        if self.last is not None:
+            for task in self.last.fetches.values():
+                task.cancel()
+        assigned = assignments(entry.digest(), group.members, group.owners, self.checked)
+        self.last = _Retained(entry.round, list(group.members), group.pieces,
+                              [[d for d in part] for part in group.audit.declared], group.kept, group.codec,
+                              group.flat.numel(), assigned, {})
+        me = self.swarm.peer_id
+        for sampled, checkers in assigned.items():
+            if me in checkers:
+                self.last.fetches[sampled] = asyncio.ensure_future(self._fetch(self.last, sampled))
+
+    def tasks(self) -> list[str]:
+        """The members whose last-round update this node checks."""
+        return [] if self.last is None else list(self.last.fetches)
+
+    def claimed(self, peer: str) -> float:
+        """``peer``'s claimed tokens in our last committed round (its ledger row)."""
+        entry = self.commits.entries.get(self.last.round)
+        return next((row.claimed for row in entry.rows if row.peer == peer), 0.0) if entry else 0.0
+
+    @property
+    def beacon(self) -> bytes:
+        return self.commits.entries[self.last.round].digest()
+
+    async def fetched(self, sampled: str) -> torch.Tensor | None:
+        """The sampled member's update (decoded), None if it withheld it."""
+        try:
+            return await self.last.fetches[sampled]
+        except (asyncio.CancelledError, KeyError):
+            return None
+
+    def own_update(self) -> torch.Tensor:
+        """Our own update of the last round, as the owners decoded it."""
+        last = self.last
+        out = torch.empty(last.numel, dtype=torch.float32)
+        for j, part in enumerate(last.pieces):
+            for k, (start, end) in enumerate(part):
+                out[start:end] = last.codec.decode(last.sent[(j, k)], end - start)
+        return out
+
+    async def _fetch(self, last: _Retained, sampled: str) -> torch.Tensor | None:
+        index = last.members.index(sampled)
+        out = torch.empty(last.numel, dtype=torch.float32)
+        deadline = time.monotonic() + FETCH_SECONDS
+        try:
+            for j, part in enumerate(last.pieces):
+                for k0 in range(0, len(part), INPUT_PIECES):
+                    ks = range(k0, min(k0 + INPUT_PIECES, len(part)))
+                    sizes = [last.codec.wire_bytes(part[k][1] - part[k][0]) for k in ks]
+                    timeout = max(1.0, deadline - time.monotonic())
+                    request = {"r": last.round, "j": j, "k": k0, "n": len(ks)}
+                    while True:
+                        header, payload = await self._call(sampled, "input", request, timeout, sum(sizes))
+                        # It has not taken its own commit in yet: a moment.
+                        if header.get("reason") != "not_ready" or time.monotonic() > deadline:
+                            break
+                        await asyncio.sleep(0.2)
+                    if not header.get("ok") or len(payload) != sum(sizes):
+                        raise ValueError(str(header.get("reason", "refused"))[:40])
+                    offset = 0
+                    for k, size in zip(ks, sizes):
+                        piece = payload[offset:offset + size]
+                        offset += size
+                        _, hashed = DECLARED.unpack_from(last.declared[j][k], DECLARED.size * index)
+                        if input_hash(piece) != hashed:  # not what the owners averaged
+                            self.swarm.reject("bad_check", f"input of {sampled[-8:]}")
+                            raise ValueError("not_declared")
+                        start, end = part[k]
+                        out[start:end] = last.codec.decode(piece, end - start)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.info("check of %s, round %d: no input (%s)", sampled[-8:], last.round, str(e)[:60])
+            return None
+        return out
+
+    def sign(self, sampled: str, gains: tuple[float, ...]) -> CheckRecord:
+        signer = self.swarm.signer
+        me = self.swarm.peer_id
+        message = signed_message(self.swarm.scope, self.last.round, sampled, me, gains)
+        return CheckRecord(self.swarm.scope, self.last.round, sampled, me, gains, signer.public_key,
+                           signer.sign(message))
+
+    async def publish(self, record: CheckRecord) -> None:
+        """Keep our record and send it to every live peer (best effort: the leader of a later
+        round needs it, and any of them may lead)."""
+        self.add(record)
+        others = sorted(live_peers(self.swarm.peers, self.swarm.peer_id) - {self.swarm.peer_id})
+        await asyncio.gather(*(self._call(p, "check", {"c": record.to_wire()}) for p in others),
+                             return_exceptions=True)
+
+    # ---- records: validated, held, proposed, accepted ---------------------------------------
+
+    def checkers(self, round: int, sampled: str) -> tuple[str, ...] | None:
+        """Whom the beacon of ``round`` (its entry, if we hold it) chose to check ``sampled``."""
+        entry = self.commits.entries.get(round)
+        if entry is None:
+            return None
+        return assignments(entry.digest(), list(entry.members), list(entry.owners) or None,
+                           self.checked).get(sampled)
+
+    def valid(self, record: CheckRecord) -> str:
+        """Why ``record`` (signature already verified) is not one to keep, "" if it is."""
+        if record.scope != self.swarm.scope:
+            return "other run"
+        checkers = self.checkers(record.round, record.sampled)
+        if checkers is None or record.checker not in checkers:
+            return "not assigned"
+        return ""
+
+    def add(self, record: CheckRecord) -> str:
+        why = self.valid(record)
+        if not why and not self._included(record.key):
+            self.pending[record.key] = record
+        return why
+
+    def _included(self, key) -> bool:
+        return any(r.key == key for e in self.commits.entries.values() for r in e.checks)
+
+    def for_proposal(self) -> list:
+        """The records a leader puts into its proposal: held, valid, not in an entry yet."""
+        self.pending.retain(lambda key, r: not self._included(key) and not self.valid(r))
+        records = sorted(self.pending.values(), key=lambda r: r.key)[:MAX_CHECKS_PER_ENTRY]
+        return [r.to_wire() for r in records]
+
+    def accept(self, wires) -> list[CheckRecord]:
+        """The records of a leader's proposal, each checked; ValueError if any is not acceptable."""
+        if not isinstance(wires, list) or len(wires) > MAX_CHECKS_PER_ENTRY:
+            raise ValueError("bad_check")
+        records = [CheckRecord.from_wire(w) for w in wires]
+        if len({r.key for r in records}) != len(records):
+            raise ValueError("bad_check")
+        for r in records:
+            if self.valid(r) or self._included(r.key):
+                raise ValueError("bad_check")
+        return records
+
+    # ---- requests in -----------------------------------------------------------------------
+
+    async def on_input(self, sender: str, header: dict, reader, writer) -> None:
+        """A checker asks for our pieces of one part of the round we last committed."""
+        rnd, j, k0, n = (hfield(header, f, int) for f in ("r", "j", "k", "n"))
+        last = self.last
+        if last is None or rnd > last.round:
+            await reply(writer, {"ok": False, "reason": "not_ready"})
+            return
+        if (rnd != last.round or sender not in
+                next((c for s, c in last.assigned.items() if s == self.swarm.peer_id), ())):
+            await reply(writer, {"ok": False, "reason": "not_checker"})
+            return
+        if not (0 <= j < len(last.pieces) and 0 <= k0 and 0 < n <= INPUT_PIECES and k0 + n <= len(last.pieces[j])):
+            raise WireError("bad_field", "input pieces")
+        payload = b"".join(last.sent[(j, k)] for k in range(k0, k0 + n))
+        self.metrics.sent_bytes.inc(await write_frame(writer, {"ok": True}, payload))
+
+    async def on_check(self, sender: str, header: dict, reader, writer) -> None:
+        """A checker's record."""
+        try:
+            record = CheckRecord.from_wire(header.get("c"))
+        except ValueError:
+            self.swarm.reject("bad_check", sender[-8:])
+            await reply(writer, {"ok": False, "reason": "bad_check"})
+            return
+        why = self.add(record)
+        await reply(writer, {"ok": not why, **({"reason": why} if why else {})})

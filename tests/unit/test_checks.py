@@ -1,0 +1,87 @@
+"""Checks of sampled members (p2p/checks.py): who checks whom, verdicts, records, and what the
+ledger makes of them. Pure functions and signed records; the checks in real rounds run in
+tests/integration/test_hostile.py and scripts/attack.py."""
+
+import pytest
+
+from p2p.checks import (CHECKERS, CHECKED, MIN_ADVANTAGE, CheckRecord, assignments, failed, judge,
+                        signed_message)
+from p2p.identity import generate_identity
+from p2p.ledger import Entry, Row, Standing
+from p2p.records import RecordSigner
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(scope="module")
+def signers():
+    return sorted((RecordSigner.from_identity(generate_identity()) for _ in range(5)), key=lambda s: s.peer_id)
+
+
+def record(signer, sampled: str, round: int, gains: tuple) -> CheckRecord:
+    return CheckRecord("scope", round, sampled, signer.peer_id, gains, signer.public_key,
+                       signer.sign(signed_message("scope", round, sampled, signer.peer_id, gains)))
+
+
+def test_the_beacon_samples_dialable_members_and_gives_each_distinct_checkers():
+    members = [f"p{i}" for i in range(6)]
+    a = assignments(b"beacon", members)
+    assert len(a) == CHECKED and all(len(c) == CHECKERS and s not in c and len(set(c)) == CHECKERS
+                                     for s, c in a.items())
+    assert assignments(b"beacon", members) == a and assignments(b"other", members) != a
+    assert set(assignments(b"beacon", members, owners=["p1", "p4"])) <= {"p1", "p4"}
+    assert assignments(b"beacon", ["p0", "p1"]) == {}  # two members: nobody is checked
+
+
+@pytest.mark.parametrize("gains,flags", [
+    ((), ("withheld",)),
+    ((0.20, 0.10, 0.20, 0.10), ()),  # learned its windows as well as the checker did its own
+    ((0.11, 0.10, 0.20, 0.10), ("unassigned",)),  # no better on its windows than on any: other data
+    ((0.01, 0.00, 0.20, 0.10), ("unhelpful", "unassigned")),  # a stale or empty update
+    ((0.10, 0.10, 0.10 + 0.5 * MIN_ADVANTAGE * 0.1, 0.10), ()),  # the checker's own advantage too small to tell
+    ((0.5, 0.4, 0.3, -0.01), ()),  # nothing to learn from θ here: no verdict
+])
+def test_a_verdict_follows_from_the_gains(gains, flags):
+    assert judge(gains) == flags
+
+
+def test_a_record_is_signed_by_its_checker_and_its_verdict_is_its_gains(signers):
+    r = record(signers[0], signers[1].peer_id, 4, (0.11, 0.10, 0.20, 0.10))
+    again = CheckRecord.from_wire(r.to_wire())
+    assert again == r and again.flags == ("unassigned",)
+    wire = r.to_wire()
+    wire[4] = [0.2, 0.1, 0.2, 0.1]  # the gains changed after signing: the verdict would differ
+    with pytest.raises(ValueError):
+        CheckRecord.from_wire(wire)
+    wire = r.to_wire()
+    wire[3] = signers[2].peer_id  # signed by another key than the checker's
+    with pytest.raises(ValueError):
+        CheckRecord.from_wire(wire)
+
+
+def row(peer: str) -> Row:
+    return Row(peer, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0, 1.0, (), 1.0)
+
+
+def test_a_member_fails_a_check_only_when_every_checker_flags_it_and_twice_is_left_out(signers):
+    peers = [s.peer_id for s in signers]
+    by_id = {s.peer_id: s for s in signers}
+    entries = {r: Entry(r, tuple(row(p) for p in peers)) for r in range(1, 4)}
+    plan = {r: assignments(entries[r].digest(), peers) for r in (1, 2)}
+    bad = (0.11, 0.10, 0.20, 0.10)
+    # Round 1: the first sampled member is flagged by both its checkers; the second by one only.
+    s1, s2 = list(plan[1])
+    records = [record(by_id[c], s1, 1, bad) for c in plan[1][s1]]
+    records += [record(by_id[plan[1][s2][0]], s2, 1, bad), record(by_id[plan[1][s2][1]], s2, 1, (0.2, 0.1, 0.2, 0.1))]
+    assert failed(records, lambda r, s: plan.get(r, {}).get(s)) == {(s1, 1)}
+    entries[2] = Entry(2, entries[2].rows, tuple(records))
+    standing = Standing([entries[1], entries[2]], entries.get)
+    assert standing.factor(s1) == 0.25 and standing.factor(s2) == 1.0
+    # Failed again for round 2 (any sampled member of it): two flagged rounds, left out.
+    s = s1 if s1 in plan[2] else next(iter(plan[2]))
+    entries[3] = Entry(3, entries[3].rows, tuple(record(by_id[c], s, 2, bad) for c in plan[2][s]))
+    standing = Standing([entries[1], entries[2], entries[3]], entries.get)
+    assert (standing.factor(s) == 0.0) == (s == s1)
+    # The entry's checks travel with it: msgpack and JSON give back the same digest.
+    assert Entry.from_list(entries[2].to_list()).digest() == entries[2].digest()
+    assert Entry.from_json(entries[2].to_json()).digest() == entries[2].digest()
