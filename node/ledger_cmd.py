@@ -78,7 +78,19 @@ def parse_rounds(value: str | None) -> tuple[int | None, int | None]:
 
 def totals(certs, first: int | None = None, last: int | None = None) -> dict:
     """Per-peer sums over the entries of ``certs`` in rounds ``first``..``last`` (inclusive, None:
-    open); sums are exactly rounded (``math.fsum``), so they do not depend on the file's order."""
+    open); sums are exactly rounded (``math.fsum``), so they do not depend on the file's order.
+
+    A round whose check failed (every checker flagged it, in any entry of the file: checks come
+    in later rounds' entries) earns no credit, whatever its row said at commit."""
+    from p2p.checks import checkers_of, failed
+
+    entries = {cert.round: cert.entry for cert in certs}
+
+    def checkers(round: int, sampled: str):
+        entry = entries.get(round)
+        return checkers_of(entry.digest(), list(entry.members), sampled) if entry and sampled in entry.members else None
+
+    failing = failed([c for e in entries.values() for c in e.checks], checkers)
     rows: dict[str, list] = {}
     rounds = []
     for cert in certs:
@@ -90,8 +102,9 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
     peers = {}
     for peer, mine in sorted(rows.items()):
         claimed = math.fsum(row.claimed for _, row in mine)
-        credit = math.fsum(row.credit for _, row in mine)
-        flagged = [r for r, row in mine if row.flags]
+        checked_out = [r for r, _ in mine if (peer, r) in failing]
+        credit = math.fsum(row.credit for r, row in mine if (peer, r) not in failing)
+        flagged = sorted({r for r, row in mine if row.flags} | set(checked_out))
         peers[peer] = {
             "rounds": len(mine),
             "claimed": claimed,
@@ -100,6 +113,7 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
             "credit_per_claimed": credit / claimed if claimed > 0 else None,
             "flagged": len(flagged),
             "flags": {flag: sum(flag in row.flags for _, row in mine) for flag in FLAGS},
+            "failed_checks": len(checked_out),
             "last_flagged": max(flagged) if flagged else None,
         }
     return {"entries": len(rounds), "first_round": min(rounds, default=None),
@@ -120,14 +134,14 @@ def _read(path: str, flag: str):
 
 def _table(result: dict) -> list[str]:
     head = ["PEER", "ROUNDS", "CLAIMED", "COUNTED", "CREDIT", "CREDIT/CLAIMED", "FLAGGED",
-            *(f.upper() for f in FLAGS), "LAST FLAGGED"]
+            *(f.upper() for f in FLAGS), "FAILED CHECKS", "LAST FLAGGED"]
     ranked = sorted(result["peers"].items(), key=lambda kv: (-kv[1]["credit"], kv[0]))
     lines = [head]
     for peer, t in ranked:
         ratio = t["credit_per_claimed"]
         lines.append([peer, str(t["rounds"]), f"{t['claimed']:.0f}", f"{t['counted']:.0f}", f"{t['credit']:.0f}",
                       "-" if ratio is None else f"{ratio:.3f}", str(t["flagged"]),
-                      *(str(t["flags"][f]) for f in FLAGS), str(t["last_flagged"] or "-")])
+                      *(str(t["flags"][f]) for f in FLAGS), str(t["failed_checks"]), str(t["last_flagged"] or "-")])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
             for line in lines]

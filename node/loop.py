@@ -199,8 +199,10 @@ class TrainingLoop:
                                                   pieces, payloads))
         self.rounds.commits.hold(self.worker.round, self.status.params_hash)
         self.rounds.certify(prev_hash, self.status.params_hash)
-        if overlapped:
-            self.swarm.announce(state="training")  # training for the next round already
+        # Training for the next round already (overlapped), or about to once evaluated and
+        # checkpointed: a gather of the next round waits for us from now on (p2p/gathering.py),
+        # not only once the inner steps start.
+        self.swarm.announce(state="training")
         self.last_commit = {"round": self.worker.round, "time": time.time(), "loss": self.status.loss,
                             "eval_loss": self.status.eval_loss if self._evaluated == self.worker.round else None,
                             "tokens": weight, "members": members, "allreduce_s": self.rounds.last.allreduce_seconds,
@@ -221,6 +223,7 @@ class TrainingLoop:
         if self.worker.ranks is not None or not checks.tasks():
             return
         own, started = None, time.perf_counter()
+        self.set_state("checking")  # one round behind for a moment: the gather waits for us
         for sampled in checks.tasks():
             update = await checks.fetched(sampled)
             gains: tuple[float, ...] = ()
@@ -230,8 +233,9 @@ class TrainingLoop:
                 gains = await self.compute(self._check_gains, sampled, update, own)
             record = checks.sign(sampled, gains)
             self.metrics.checks.labels(verdict="+".join(record.flags) or "ok").inc()
-            log.info("check round=%d of %s: gains=%s flags=%s", record.round, sampled[-8:],
-                     "/".join(f"{g:.4f}" for g in gains) or "-", "+".join(record.flags) or "none")
+            log.info("check round=%d of %s: gains=%s flags=%s (%.2fs)", record.round, sampled[-8:],
+                     "/".join(f"{g:.4f}" for g in gains) or "-", "+".join(record.flags) or "none",
+                     time.perf_counter() - started)
             await checks.publish(record)
         self.metrics.scoring_seconds.labels(part="check").inc(time.perf_counter() - started)
 

@@ -69,7 +69,8 @@ MIN_ADVANTAGE = 0.1
 CHECK_FLAGS = ("unhelpful", "unassigned", "withheld")
 MAX_CHECKS_PER_ENTRY = 16
 INPUT_PIECES = 16  # pieces per ``input`` request
-FETCH_SECONDS = 120.0  # the most a checker spends fetching one input
+FETCH_SECONDS = 600.0  # the most a checker spends fetching one input
+MIN_FETCH_RATE = 1e6  # bytes/s a member sending its input must keep up, or it withheld it
 _KEY_BYTES, _SIGNATURE_BYTES = 1024, 1024
 
 
@@ -204,11 +205,14 @@ class CheckBook:
     """This node's part in checks: its last round's input kept for checkers, the fetches of the
     inputs it checks, and the records it holds until a round's entry carries them."""
 
-    def __init__(self, swarm, commits, call: Callable[..., Awaitable], metrics, checked: int = CHECKED) -> None:
+    def __init__(self, swarm, commits, call: Callable[..., Awaitable], metrics, checked: int = CHECKED,
+                 request_timeout: float = 20.0) -> None:
         """``checked``: members sampled each round (``swarm.checked_members``, the same in the
-        whole run: it is part of the fingerprint)."""
+        whole run: it is part of the fingerprint). ``request_timeout``: how long a member may
+        take to answer one request for its input (plus the transfer at MIN_FETCH_RATE)."""
         self.swarm = swarm
         self.checked = checked
+        self.request_timeout = request_timeout
         self.commits = commits  # p2p/commits.py CommitLog: the entries a record is checked against
         self._call = call
         self.metrics = metrics
@@ -270,12 +274,16 @@ class CheckBook:
                 for k0 in range(0, len(part), INPUT_PIECES):
                     ks = range(k0, min(k0 + INPUT_PIECES, len(part)))
                     sizes = [last.codec.wire_bytes(part[k][1] - part[k][0]) for k in ks]
-                    timeout = max(1.0, deadline - time.monotonic())
+                    # A member that stopped answering costs one request's time, not the budget:
+                    # its checkers wait for it before their outer steps.
+                    timeout = min(self.request_timeout + sum(sizes) / MIN_FETCH_RATE,
+                                  max(1.0, deadline - time.monotonic()))
                     request = {"r": last.round, "j": j, "k": k0, "n": len(ks)}
+                    ready_by = time.monotonic() + 2 * self.request_timeout
                     while True:
                         header, payload = await self._call(sampled, "input", request, timeout, sum(sizes))
                         # It has not taken its own commit in yet: a moment.
-                        if header.get("reason") != "not_ready" or time.monotonic() > deadline:
+                        if header.get("reason") != "not_ready" or time.monotonic() > ready_by:
                             break
                         await asyncio.sleep(0.2)
                     if not header.get("ok") or len(payload) != sum(sizes):

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from p2p.failure import RoundFailed
 from p2p.lanes import MAX_LANES
 from p2p.ledger import Standing
+
+# States of a peer one round behind that a gather waits for (as for a peer still training).
+WAITED_BEHIND = ("joining", "checking")
 from p2p.quorum import accept_group, can_start, follow, live_peers, quorum
 from p2p.wire import WireError, field as hfield
 
@@ -121,12 +124,13 @@ class Gathering:
         hinted = {p for p in look.hinted if p in peers}
         ready = sorted({p for p, r in peers.items() if r.round == round and r.state == "ready"
                         and (not state or r.params_hash == state)} | hinted | {me})
-        # Still training towards this round, or catching up to it from one round behind (a peer
-        # that was left out of the last round, or a joiner; node/catchup.py): not
+        # Still training towards this round, or one round behind: catching up to it (a peer
+        # that was left out of the last round, or a joiner; node/catchup.py), or checking a
+        # member's update of the last round before its outer step (p2p/checks.py). Not
         # waited for, one whose catch-up takes longer than the others' inner steps would be
         # left out of every round and catch up forever (seen at 250 ms with 1-s inner phases).
         training = [p for p, r in peers.items() if p not in hinted and (
-            (r.round == round and r.state == "training") or (r.round == round - 1 and r.state == "joining"))]
+            (r.round == round and r.state == "training") or (r.round == round - 1 and r.state in WAITED_BEHIND))]
         leader = leader_of(ready, table, me, look.reachable)
         enough, short = can_start(ready, live, self.min_peers)
         waiting = short or f"{quorum(len(live), self.min_peers)} of {len(live)} live needed"

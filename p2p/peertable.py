@@ -14,7 +14,7 @@ from typing import Any
 
 from trainer.fingerprint import parse_parts
 
-STATES = ("joining", "training", "ready", "averaging", "stopped")
+STATES = ("joining", "training", "ready", "averaging", "checking", "stopped")
 # The most peer-table entries one lookup keeps (each signed by its owner; a closed swarm's by
 # admitted peers only).
 MAX_TABLE_ENTRIES = 4096

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Iterable
 
 # States of a peer that holds a state and trains (it will be ready, or is averaging).
-LIVE_STATES = frozenset({"training", "ready", "averaging"})
+LIVE_STATES = frozenset({"training", "ready", "averaging", "checking"})
 
 
 def live_peers(peers: dict, me: str) -> set[str]:

@@ -124,7 +124,7 @@ class RoundProtocol:
                                                                                          timeout),
                                          cfg.request_timeout)
         # Checks of sampled members' updates against their assigned data (p2p/checks.py).
-        self.checks = CheckBook(swarm, self.commits, self._call, metrics, cfg.checked_members)
+        self.checks = CheckBook(swarm, self.commits, self._call, metrics, cfg.checked_members, cfg.request_timeout)
         # How this peer gets into a group of a round (p2p/formation.py).
         self.formation = GroupFormation(swarm, self.plane, self.conduct, self.votes, self.reachability, metrics,
                                         call=self._call, background=self._background, standing=self.commits.standing,

@@ -44,6 +44,8 @@ def test_the_smallest_ready_id_leads_once_a_quorum_is_ready_and_nobody_trains():
     assert g.decide(1.0, look(catching_up)).action == "wait"
     assert g.decide(61.0, look(catching_up)).action == "lead"
     assert g.decide(1.0, look(table(rec(c, "ready"), rec("p" * 20 + "d", "joining", round=1)))).action == "lead"
+    # So is one checking a member's update of the last round before its outer step (p2p/checks.py).
+    assert g.decide(1.0, look(table(rec(c, "ready"), rec("p" * 20 + "d", "checking", round=2)))).action == "wait"
     assert g.decide(1.0, look(table(rec(c, "ready")), table_fresh=False)).action == "wait"  # a stale table
     # Another state of the same round is not ready with us; nor is a peer at another round.
     assert g.decide(1.0, look(table(rec(c, "ready", h="other"), rec(a, "ready", round=2)))).ready == [ME]
