@@ -169,8 +169,6 @@ class TrainingLoop:
         if avg is not None:
             if self.server.averages.keep and isinstance(avg, CommittedAverage):
                 self._wire_average = avg.wire()  # for joiners that catch up (p2p/averagelog.py)
-            if self.worker.outer_cfg.overlap == "off":  # θ is the round's start until the outer step
-                await self.run_checks()
             return avg, COMMITTED, None
         if outcome.status == "behind":
             return None, BEHIND, outcome.reason
@@ -213,6 +211,9 @@ class TrainingLoop:
                  self.rounds.last.allreduce_seconds)
         await self.on_commit(checkpoint=not overlapped)
 
+    async def before_outer_step(self) -> None:
+        await self.run_checks()
+
     async def run_checks(self) -> None:
         """The checks the round's beacon gave this node (p2p/checks.py): each sampled member's
         update against its assigned windows, signed and sent to every live peer. Between the
@@ -225,6 +226,8 @@ class TrainingLoop:
         own, started = None, time.perf_counter()
         self.set_state("checking")  # one round behind for a moment: the gather waits for us
         for sampled in checks.tasks():
+            if self.stop_requested.is_set():  # the commit is applied whatever happens: skip the rest
+                break
             update = await checks.fetched(sampled)
             gains: tuple[float, ...] = ()
             if update is not None:

@@ -87,14 +87,16 @@ def checkers_of(beacon: bytes, members: list[str], sampled: str) -> tuple[str, .
 
 
 def assignments(beacon: bytes, members: list[str], owners: list[str] | None = None,
-                checked: int = CHECKED) -> dict[str, tuple[str, ...]]:
+                checked: int = CHECKED, veterans: set[str] | None = None) -> dict[str, tuple[str, ...]]:
     """Sampled member -> its checkers, for a round whose entry digest is ``beacon``: the first
-    ``checked`` members that own a part in the beacon's order (a member that owns none may not
-    be dialable); any member checks."""
+    ``checked`` members that own a part (a member that owns none may not be dialable) and were
+    members of the round before (``veterans``; None: all were) in the beacon's order; any member
+    checks. A member's first round after it joined is not checked: its inner optimizer starts
+    afresh (learning-rate warmup), and its update is small for an honest reason."""
     if len(members) < MIN_CHECKED_GROUP:
         return {}
-    dialable = set(owners or members)
-    sampled = [p for p in _order(beacon, members) if p in dialable][:checked]
+    eligible = set(owners or members) & (set(members) if veterans is None else veterans)
+    sampled = [p for p in _order(beacon, members) if p in eligible][:checked]
     return {p: checkers_of(beacon, members, p) for p in sampled}
 
 
@@ -227,7 +229,7 @@ class CheckBook:
         if self.last is not None:
             for task in self.last.fetches.values():
                 task.cancel()
-        assigned = assignments(entry.digest(), group.members, group.owners, self.checked)
+        assigned = assignments(entry.digest(), group.members, group.owners, self.checked, self._veterans(entry.round))
         self.last = _Retained(entry.round, list(group.members), group.pieces,
                               [[d for d in part] for part in group.audit.declared], group.kept, group.codec,
                               group.flat.numel(), assigned, {})
@@ -328,7 +330,12 @@ class CheckBook:
         if entry is None:
             return None
         return assignments(entry.digest(), list(entry.members), list(entry.owners) or None,
-                           self.checked).get(sampled)
+                           self.checked, self._veterans(round)).get(sampled)
+
+    def _veterans(self, round: int) -> set[str]:
+        """The members of the round before ``round`` (none known: nobody is checked)."""
+        before = self.commits.entries.get(round - 1)
+        return set(before.members) if before is not None else set()
 
     def valid(self, record: CheckRecord) -> str:
         """Why ``record`` (signature already verified) is not one to keep, "" if it is."""

@@ -59,6 +59,10 @@ class RoundHost(Protocol):
         """One attempt at the round's average: (average, COMMITTED, None), or (None, BEHIND, why)
         when the others committed without us, or (None, ABORTED, why): try again."""
 
+    async def before_outer_step(self) -> None:
+        """A round committed and no round overlaps: θ is still the round's start (a node checks
+        sampled members' updates here, p2p/checks.py)."""
+
     async def committed(self, weight: float, overlapped: bool) -> None:
         """After the outer step: the host's bookkeeping (metrics, state published, certificate)."""
 
@@ -180,6 +184,8 @@ class PeerRounds:
         is left alone (it takes the average at ``outer.land_step``), and the outer step runs
         beside those steps (the worker's lock orders the two)."""
         overlapped = self.overlapped
+        if not overlapped:
+            await self.host.before_outer_step()
         run = asyncio.to_thread if overlapped else self.host.compute
         await run(self.worker.apply_outer, avg, reset_local=not overlapped)
         if not overlapped:

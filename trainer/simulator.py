@@ -67,6 +67,9 @@ class SimulatedPeer:
         # In process, a member left out is never asked again: the others committed without it.
         return (avg, COMMITTED, None) if avg is not None else (None, BEHIND, "left out")
 
+    async def before_outer_step(self) -> None:
+        pass  # in-process workers check nobody
+
     async def committed(self, weight: float, overlapped: bool) -> None:
         async with self.sim.commits:
             self.sim.commits.notify_all()

@@ -45,12 +45,12 @@ def signers():
 
 def make_entry(round: int, members: list[str]) -> Entry:
     """An entry with floats that only an exact round trip keeps (thirds, a subnormal, -0.0); in
-    round 3 the last member trained a tenth of what it claims (flagged ``idle``)."""
+    round 3 the last member trained a twentieth of what it claims (flagged ``idle``)."""
     n = len(members)
     claimed = [4096.0 + 17 * i + round / 3 for i in range(n)]
     counted = [c * 0.9137 for c in claimed]
     scores = [Score(norm=1.0 + i / 3, agreement=0.5 - i * 1e-7, copy=[0.3, 5e-324, -0.0, 0.1][i % 4],
-                    partner=(i + 1) % n, work=0.1 if (round == 3 and i == n - 1) else 1.0 + i / 7)
+                    partner=(i + 1) % n, work=0.05 if (round == 3 and i == n - 1) else 1.0 + i / 7)
               for i in range(n)]
     return build_entry(round, members, claimed, counted, [1.0] * n, scores)
 
