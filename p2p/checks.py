@@ -65,7 +65,7 @@ MIN_CHECKED_GROUP = 3  # smaller groups are not checked (p2p/ledger.py MIN_JUDGE
 CHECK_WINDOWS = 32  # windows of each kind a check evaluates
 UNHELPFUL = 0.25
 UNASSIGNED = 0.25
-MIN_ADVANTAGE = 0.1
+MIN_ADVANTAGE = 0.5
 CHECK_FLAGS = ("unhelpful", "unassigned", "withheld")
 MAX_CHECKS_PER_ENTRY = 16
 INPUT_PIECES = 16  # pieces per ``input`` request
@@ -104,21 +104,21 @@ def judge(gains: tuple[float, ...]) -> tuple[str, ...]:
     """The verdict of a check from its ``gains`` (assigned, control, reference assigned,
     reference control); () measured nothing (the member withheld its input).
 
-    A verdict needs the reference to show what it tests: the checker's own update removing loss
-    on the control windows (else nothing is learned from θ here: late in a run, or an early
-    round), and, for *unassigned*, learning its own windows by at least MIN_ADVANTAGE of that
-    (in the first rounds an update learns what all windows share, and a window's own share is
-    lost in the noise: measured in docs/ledger.md)."""
+    A verdict needs the reference to show what it tests. *Unhelpful* compares with the
+    checker's own gain on the control windows, so only while that is positive (later in a run a
+    whole local update overshoots on data it did not see: every control gain goes negative).
+    *Unassigned* needs the checker's own advantage on its windows over the control to be
+    positive and at least MIN_ADVANTAGE of the control gain's size: in the first rounds an
+    update learns what all windows share, and a window's own share is lost in the noise
+    (measured in docs/ledger.md)."""
     if not gains:
         return ("withheld",)
     assigned, control, ref_assigned, ref_control = gains
-    if ref_control <= 0:
-        return ()
     flags = []
-    if control < UNHELPFUL * ref_control and assigned < UNHELPFUL * ref_assigned:
+    if ref_control > 0 and control < UNHELPFUL * ref_control and assigned < UNHELPFUL * ref_assigned:
         flags.append("unhelpful")
     advantage, reference = assigned - control, ref_assigned - ref_control
-    if reference >= MIN_ADVANTAGE * ref_control and advantage < UNASSIGNED * reference:
+    if reference > 0 and reference >= MIN_ADVANTAGE * abs(ref_control) and advantage < UNASSIGNED * reference:
         flags.append("unassigned")
     return tuple(flags)
 

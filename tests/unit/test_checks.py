@@ -41,7 +41,8 @@ def test_the_beacon_samples_dialable_members_and_gives_each_distinct_checkers():
     ((0.11, 0.10, 0.20, 0.10), ("unassigned",)),  # no better on its windows than on any: other data
     ((0.01, 0.00, 0.20, 0.10), ("unhelpful", "unassigned")),  # a stale or empty update
     ((0.10, 0.10, 0.10 + 0.5 * MIN_ADVANTAGE * 0.1, 0.10), ()),  # the checker's own advantage too small to tell
-    ((0.5, 0.4, 0.3, -0.01), ()),  # nothing to learn from θ here: no verdict
+    ((0.5, 0.4, 0.3, -0.01), ()),  # no control gain to compare with: not unhelpful; learned its windows
+    ((-0.04, -0.02, 0.08, -0.02), ("unassigned",)),  # late in a run: every update overshoots on other data
 ])
 def test_a_verdict_follows_from_the_gains(gains, flags):
     assert judge(gains) == flags
