@@ -19,9 +19,10 @@ of those cosines and whose it is (two members sending the same vector: a copy), 
 its norm per token claimed relative to the median member's (a member that trained
 far less than it claims). p2p/ledger.py turns scores into verdicts and credit.
 
-Cost per round, per owner: one decoded copy of its part's inputs stacked and one
-matrix product, 2 M^2 n_part flops; at 70B over 8 hosts (n_part 8.75e9) ~1.2e12
-flops, ~20-40 s of one CPU thread, next to a round of hours. Members only sum.
+Cost per piece, on the owner's tensor thread: one stacked copy of the decoded inputs and one
+M x M product, measured 1.35x the piece's clip + encode for 2^18 fp32 values of 8 members and
+2.2x for a sparse codec's 2^22 (docs/ledger.md: ~6 min a round per owner at 70B sparse).
+Members only sum.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ import torch
 # two inputs' norms: the owner's fp32 product over 2^22 values rounds differently on another CPU
 # (relative error ~1e-5 measured), and a lie inside it moves a cosine by at most this much.
 GRAM_TOLERANCE = 1e-3
+# Rows with values up to this size are multiplied as they are: 2^22 products of (1e15)^2 sum to
+# ~4e36, inside fp32's 3.4e38.
+_UNSCALED = 1e15
 
 
 def pairs(members: int) -> int:
@@ -57,10 +61,12 @@ def piece_gram(inputs: list[torch.Tensor]) -> bytes:
     """The inner products of every pair of ``inputs`` (one piece, decoded, in member order):
     the upper triangle row by row, as big-endian doubles."""
     x = torch.stack(inputs)
-    # Each row over its largest magnitude first: the product stays in fp32's range whatever a
-    # liar sends (an input of 1e30 everywhere), and the scales come back in float64.
-    scale = x.abs().amax(dim=1).double().clamp_(min=1e-300)
-    x.div_(scale.float().clamp_(min=torch.finfo(torch.float32).tiny).unsqueeze(1))
+    # A row whose largest magnitude could overflow fp32's sums of products (a liar's 1e30) is
+    # scaled by it first, and the scale comes back in float64; honest rows are far below.
+    largest = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg()).double()
+    scale = torch.where(largest > _UNSCALED, largest, torch.ones_like(largest))
+    if bool((scale != 1).any()):
+        x.div_(scale.float().unsqueeze(1))
     g = (x @ x.T).double() * scale.unsqueeze(1) * scale.unsqueeze(0)
     m = len(inputs)
     return struct.pack(f"!{pairs(m)}d", *(g[i, j].item() for i, j in _upper(m)))
