@@ -82,15 +82,10 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
 
     A round whose check failed (every checker flagged it, in any entry of the file: checks come
     in later rounds' entries) earns no credit, whatever its row said at commit."""
-    from p2p.checks import checkers_of, failed
+    from p2p.checks import checkers_by_entry, failed
 
     entries = {cert.round: cert.entry for cert in certs}
-
-    def checkers(round: int, sampled: str):
-        entry = entries.get(round)
-        return checkers_of(entry.digest(), list(entry.members), sampled) if entry and sampled in entry.members else None
-
-    failing = failed([c for e in entries.values() for c in e.checks], checkers)
+    failing = failed([c for e in entries.values() for c in e.checks], checkers_by_entry(entries.get))
     rows: dict[str, list] = {}
     rounds = []
     for cert in certs:

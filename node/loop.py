@@ -16,10 +16,10 @@ import threading
 import time
 
 from node.catchup import catch_up
+from node.checking import UpdateChecks
 from node.status import Status
 from p2p.aggregate import counted_tokens
 from p2p.averagelog import RoundAverage
-from p2p.checks import CHECK_WINDOWS
 from p2p.compression import CommittedAverage
 from p2p.quorum import follow, live_peers
 from p2p.rounds import RoundProtocol
@@ -27,7 +27,6 @@ from p2p.swarm import Swarm
 from p2p.snapshot import Snapshot
 from p2p.stateserver import StateServer
 from p2p.transfer import NoChain, StateDownload
-from trainer.check import update_gains
 from trainer.diloco import DiLoCoWorker
 from trainer.round import ABORTED, BEHIND, COMMITTED, RETRY_SECONDS, PeerRounds
 
@@ -49,6 +48,7 @@ class TrainingLoop:
     def __init__(self, *, worker: DiLoCoWorker, swarm: Swarm, rounds: RoundProtocol, server: StateServer,
                  compute, metrics, status: Status, inner_steps: int, max_rounds: int, on_commit) -> None:
         self.worker = worker
+        self.checking = UpdateChecks(self)  # sampled members' updates, before an outer step (p2p/checks.py)
         # Runs the worker's heavy calls on the trainer's own thread (node/compute.py).
         self.compute = compute
         self.swarm = swarm
@@ -212,52 +212,7 @@ class TrainingLoop:
         await self.on_commit(checkpoint=not overlapped)
 
     async def before_outer_step(self) -> None:
-        await self.run_checks()
-
-    async def run_checks(self) -> None:
-        """The checks the round's beacon gave this node (p2p/checks.py): each sampled member's
-        update against its assigned windows, signed and sent to every live peer. Between the
-        commit and the outer step, with no round overlapping: θ is still the state the updates
-        came from, and the local copy, whose pseudo-gradient was taken, is reset by the outer
-        step. Single-rank hosts only: a rank holds only its shard of the update."""
-        checks = self.rounds.checks
-        if self.worker.ranks is not None or not checks.tasks():
-            return
-        own, started = None, time.perf_counter()
-        self.set_state("checking")  # one round behind for a moment: the gather waits for us
-        for sampled in checks.tasks():
-            if self.stop_requested.is_set():  # the commit is applied whatever happens: skip the rest
-                break
-            update = await checks.fetched(sampled)
-            gains: tuple[float, ...] = ()
-            if update is not None:
-                if own is None:
-                    own = await asyncio.to_thread(checks.own_update)
-                gains = await self.compute(self._check_gains, sampled, update, own)
-            record = checks.sign(sampled, gains)
-            self.metrics.checks.labels(verdict="+".join(record.flags) or "ok").inc()
-            log.info("check round=%d of %s: gains=%s flags=%s (%.2fs)", record.round, sampled[-8:],
-                     "/".join(f"{g:.4f}" for g in gains) or "-", "+".join(record.flags) or "none",
-                     time.perf_counter() - started)
-            await checks.publish(record)
-        self.metrics.scoring_seconds.labels(part="check").inc(time.perf_counter() - started)
-
-    def _check_gains(self, sampled: str, update, own) -> tuple[float, ...]:
-        """(assigned, control, reference assigned, reference control): the loss ``update`` removes
-        on the last CHECK_WINDOWS windows ``sampled`` claims to have trained and on CHECK_WINDOWS
-        windows the beacon chose, and what our own update removes on ours and on those."""
-        checks, sampler = self.rounds.checks, self.worker.sampler
-        rnd, seq = checks.last.round, self.worker.seq_len
-
-        def trained(peer: str) -> range:
-            n = int(checks.claimed(peer) // seq)
-            return range(max(0, n - CHECK_WINDOWS), n)
-
-        batches = [sampler.stream_batches(sampled, rnd, trained(sampled)),
-                   sampler.stream_batches(self.swarm.peer_id, rnd, trained(self.swarm.peer_id)),
-                   sampler.stream_batches(f"control/{checks.beacon.hex()}", rnd, range(CHECK_WINDOWS))]
-        gains = update_gains(self.worker, [update, own], batches)
-        return (gains[0][0], gains[0][2], gains[1][1], gains[1][2])
+        await self.checking.run()  # node/checking.py
 
     async def boundary(self) -> None:
         await self.evaluate_if_due()

@@ -51,7 +51,7 @@ from typing import Awaitable, Callable, Iterable
 import msgpack
 import torch
 
-from p2p.digests import DECLARED, input_hash, parse_declaration
+from p2p.digests import DECLARED, input_hash
 from p2p.limits import BoundedDict
 from p2p.quorum import live_peers
 from p2p.records import peer_id_of_public_key, verify_rsa
@@ -170,6 +170,18 @@ class CheckRecord:
 
 def signed_message(scope: str, round: int, sampled: str, checker: str, gains: tuple[float, ...]) -> bytes:
     return msgpack.packb(["gonka-check", scope, round, sampled, checker, list(gains)])
+
+
+def checkers_by_entry(lookup: Callable) -> Callable[[int, str], tuple[str, ...] | None]:
+    """``checkers(round, sampled)`` for ``failed``: whom the beacon of that round's entry
+    (``lookup(round)``, None if unknown) would name to check ``sampled``."""
+    def checkers(round: int, sampled: str) -> tuple[str, ...] | None:
+        entry = lookup(round)
+        if entry is None or sampled not in entry.members:
+            return None
+        return checkers_of(entry.digest(), list(entry.members), sampled)
+
+    return checkers
 
 
 def failed(records: Iterable[CheckRecord], checkers: Callable[[int, str], tuple[str, ...] | None]

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 
 import msgpack
 
-from p2p.checks import MAX_CHECKS_PER_ENTRY, CheckRecord, checkers_of, failed
+from p2p.checks import MAX_CHECKS_PER_ENTRY, CheckRecord, checkers_by_entry, failed
 from p2p.scores import Score
 
 ENTRY_VERSION = 1
@@ -221,13 +221,7 @@ class Standing:
                 if row.flags:
                     rounds.setdefault(row.peer, set()).add(entry.round)
 
-        def checkers(round: int, sampled: str) -> tuple[str, ...] | None:
-            checked = lookup(round)
-            if checked is None or sampled not in checked.members:
-                return None
-            return checkers_of(checked.digest(), list(checked.members), sampled)
-
-        for sampled, rnd in failed([c for e in entries for c in e.checks], checkers):
+        for sampled, rnd in failed([c for e in entries for c in e.checks], checkers_by_entry(lookup)):
             rounds.setdefault(sampled, set()).add(rnd)
         self.flagged = {peer: len(r) for peer, r in rounds.items()}
 

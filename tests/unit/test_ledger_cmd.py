@@ -106,6 +106,17 @@ def assert_fails_naming(capsys, path, round: int, reason: str) -> None:
     assert f"round {round}" in err and reason in err, err
 
 
+
+def edit_line(path, index: int) -> dict:
+    """Line ``index`` of the ledger file, parsed, to be changed and saved with ``save_line``."""
+    return json.loads(lines_of(path)[index])
+
+
+def save_line(path, index: int, line: dict) -> None:
+    lines = lines_of(path)
+    lines[index] = json.dumps(line)
+    write_lines(path, lines)
+
 @pytest.mark.timeout(30)
 def test_an_entry_survives_json_to_the_bytes_its_members_signed(chain):
     for cert in chain.certs.values():
@@ -153,35 +164,29 @@ def test_a_file_that_starts_later_says_its_first_prev_is_unchecked(ledger_dir, c
 @pytest.mark.timeout(30)
 def test_a_changed_number_in_an_entry_fails_that_rounds_signatures(ledger_dir, capsys):
     path = ledger_dir / "ledger.jsonl"
-    lines = lines_of(path)
-    line = json.loads(lines[2])
+    line = edit_line(path, 2)
     line["entry"]["rows"][1]["claimed"] += 1000.0  # still a float, still a well-formed entry
-    lines[2] = json.dumps(line)
-    write_lines(path, lines)
+    save_line(path, 2, line)
     assert_fails_naming(capsys, path, 3, "signatures do not hold (0 of 3)")
 
 
 @pytest.mark.timeout(30)
 def test_signatures_below_the_majority_fail_that_round(ledger_dir, capsys):
     path = ledger_dir / "ledger.jsonl"
-    lines = lines_of(path)
-    line = json.loads(lines[1])
+    line = edit_line(path, 1)
     line["signatures"] = line["signatures"][:2]  # 2 of 4 members: not more than half
-    lines[1] = json.dumps(line)
-    write_lines(path, lines)
+    save_line(path, 1, line)
     assert_fails_naming(capsys, path, 2, "signatures do not hold (2 of 4)")
 
 
 @pytest.mark.timeout(30)
 def test_a_signature_under_another_members_name_does_not_count(ledger_dir, capsys):
     path = ledger_dir / "ledger.jsonl"
-    lines = lines_of(path)
-    line = json.loads(lines[0])
+    line = edit_line(path, 0)
     sigs = line["signatures"]
     sigs[0]["public_key"], sigs[0]["signature"] = sigs[1]["public_key"], sigs[1]["signature"]
     sigs[2]["signature"] = sigs[3]["signature"]
-    lines[0] = json.dumps(line)
-    write_lines(path, lines)
+    save_line(path, 0, line)
     assert_fails_naming(capsys, path, 1, "signatures do not hold (2 of 4)")
 
 
