@@ -9,7 +9,7 @@ import logging
 import time
 
 from p2p.checks import CHECK_WINDOWS
-from trainer.check import update_gains
+from trainer.check import check_gains, control_windows, trained_windows, yardstick
 
 log = logging.getLogger("gonka.node")
 
@@ -29,17 +29,19 @@ class UpdateChecks:
         checks = self.loop.rounds.checks
         if self.loop.worker.ranks is not None or not checks.tasks():
             return
-        own, started = None, time.perf_counter()
+        started = time.perf_counter()
         self.loop.set_state("checking")  # one round behind for a moment: the gather waits for us
+        shared: dict | None = None  # this round's yardstick, measured once for every check
         for sampled in checks.tasks():
             if self.loop.stop_requested.is_set():  # the commit is applied whatever happens: skip the rest
                 break
             update = await checks.fetched(sampled)
             gains: tuple[float, ...] = ()
             if update is not None:
-                if own is None:
+                if shared is None:
                     own = await asyncio.to_thread(checks.own_update)
-                gains = await self.loop.compute(self._gains, sampled, update, own)
+                    shared = await self.loop.compute(self._yardstick, own, list(checks.tasks()))
+                gains = await self.loop.compute(self._gains, sampled, update, shared)
             record = checks.sign(sampled, gains)
             self.loop.metrics.checks.labels(verdict="+".join(record.flags) or "ok").inc()
             log.info("check round=%d of %s: gains=%s flags=%s (%.2fs)", record.round, sampled[-8:],
@@ -48,19 +50,20 @@ class UpdateChecks:
             await checks.publish(record)
         self.loop.metrics.scoring_seconds.labels(part="check").inc(time.perf_counter() - started)
 
-    def _gains(self, sampled: str, update, own) -> tuple[float, ...]:
-        """(assigned, control, reference assigned, reference control): the loss ``update`` removes
-        on the last CHECK_WINDOWS windows ``sampled`` claims to have trained and on CHECK_WINDOWS
-        windows the beacon chose, and what our own update removes on ours and on those."""
+    def _windows(self, peer: str | None):
+        """The last CHECK_WINDOWS windows ``peer`` claims to have trained the round, or the
+        beacon's control windows (None)."""
         checks, sampler = self.loop.rounds.checks, self.loop.worker.sampler
-        rnd, seq = checks.last.round, self.loop.worker.seq_len
+        if peer is None:
+            return control_windows(sampler, checks.beacon, checks.last.round, CHECK_WINDOWS)
+        return trained_windows(sampler, peer, checks.last.round, checks.claimed(peer), self.loop.worker.seq_len,
+                               CHECK_WINDOWS)
 
-        def trained(peer: str) -> range:
-            n = int(checks.claimed(peer) // seq)
-            return range(max(0, n - CHECK_WINDOWS), n)
+    def _yardstick(self, own, sampled: list[str]) -> dict:
+        me = self.loop.swarm.peer_id
+        return yardstick(self.loop.worker, own, self._windows(me), self._windows(None),
+                         {p: self._windows(p) for p in sampled})
 
-        batches = [sampler.stream_batches(sampled, rnd, trained(sampled)),
-                   sampler.stream_batches(self.loop.swarm.peer_id, rnd, trained(self.loop.swarm.peer_id)),
-                   sampler.stream_batches(f"control/{checks.beacon.hex()}", rnd, range(CHECK_WINDOWS))]
-        gains = update_gains(self.loop.worker, [update, own], batches)
-        return (gains[0][0], gains[0][2], gains[1][1], gains[1][2])
+    def _gains(self, sampled: str, update, shared: dict) -> tuple[float, ...]:
+        return check_gains(self.loop.worker, sampled, update, self._windows(sampled),
+                           self._windows(self.loop.swarm.peer_id), self._windows(None), shared)

@@ -125,7 +125,7 @@ class NodeMetrics:
         self.checks = LabelledMetric(
             Counter, "gonka_node_checks_total",
             "Checks this node made of sampled members' updates (p2p/checks.py), by verdict (ok, or the flags).",
-            registry=r, verdict=frozenset(["ok", "unhelpful", "unassigned", "unhelpful+unassigned", "withheld"]))
+            registry=r, verdict=frozenset(["ok", "unassigned", "withheld"]))
         self.scoring_seconds = LabelledMetric(
             Counter, "gonka_node_scoring_seconds_total",
             "Seconds spent scoring contributions: Gram matrices of owned pieces, ledger entries, checks "

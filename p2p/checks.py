@@ -14,17 +14,16 @@ arXiv 2505.21684, among the peers themselves):
   (one encoded copy of its vector: 1/85 of fp32 with the sparse codec). A checker fetches the
   sampled member's (``input`` requests, the checker only), checks every piece against the
   owners' declarations (the hash every member voted on) and decodes it: u, what the owners
-  averaged. It measures (trainer/check.py) the loss θ − u removes on the last CHECK_WINDOWS
+  averaged. It measures (trainer/check.py) the loss of θ − u on the last CHECK_WINDOWS
   windows the member's token claim says it trained (its stream, trainer/data.py
-  ``stream_windows``) and on CHECK_WINDOWS other training windows chosen by the beacon, and
-  the same for its own update on its own windows: ``gains`` = (assigned, control,
-  reference assigned, reference control).
-- **Verdict** (``judge``, a pure function of the gains, checked by every receiver): *unhelpful*
-  when u removes less than UNHELPFUL of what the checker's own update removes on the control
-  windows (noise, zeros, a replay: a stale update is worth little at the new θ); *unassigned*
-  when its advantage on its own windows over the control is below UNASSIGNED of the
-  checker's (it did not learn its windows: trained on other data, or did not train them);
-  *withheld* when the member does not hand its input over.
+  ``stream_windows``), on the checker's own last CHECK_WINDOWS and on CHECK_WINDOWS other
+  training windows chosen by the beacon, and the same of its own update θ − u' (once a round
+  for all its checks), and of θ on the control windows: the ``gains``.
+- **Verdict** (``judge``, a pure function of the gains, checked by every receiver):
+  *unassigned* when the member's model is not better on its own windows, against the checker's,
+  than it is on any windows, by at least UNASSIGNED of what the checker's model is on the
+  checker's windows (it did not learn its windows: trained on other data, a replay, no work or
+  noise); *withheld* when the member does not hand its input over.
 - **Record.** The checker signs a ``CheckRecord`` and sends it to every live peer. A leader puts
   the records it holds into its next proposal; every member checks each (signature, the
   beacon's assignment, the verdict from the gains) before it accepts the group, and the
@@ -33,8 +32,9 @@ arXiv 2505.21684, among the peers themselves):
   checkers flagged it: one lying checker cannot frame an honest member.
 
 Cost per round: CHECKED x CHECKERS fetches of one member's encoded vector (sparse at 70B: 3.3 GB
-each, against 3.3 GB each way of the all-reduce) and, per checker, one load of θ − u and of θ
-into the model and 3 x 3 x CHECK_WINDOWS windows of forward passes. Checks need the local copy
+each, against 3.3 GB each way of the all-reduce) and, per check, one load of θ − u into the
+model and 3 x CHECK_WINDOWS windows of forward passes; per checker and round, two more loads
+(θ − u', θ) and (3 + checks) x CHECK_WINDOWS windows. Checks need the local copy
 free at the round boundary: single-rank hosts without overlap (docs/ledger.md).
 """
 
@@ -63,10 +63,9 @@ CHECKED = 2  # members sampled each round by default (swarm.checked_members)
 CHECKERS = 2  # checkers of each sampled member
 MIN_CHECKED_GROUP = 3  # smaller groups are not checked (p2p/ledger.py MIN_JUDGED)
 CHECK_WINDOWS = 32  # windows of each kind a check evaluates
-UNHELPFUL = 0.25
 UNASSIGNED = 0.25
 MIN_ADVANTAGE = 0.5
-CHECK_FLAGS = ("unhelpful", "unassigned", "withheld")
+CHECK_FLAGS = ("unassigned", "withheld")
 MAX_CHECKS_PER_ENTRY = 16
 INPUT_PIECES = 16  # pieces per ``input`` request
 FETCH_SECONDS = 600.0  # the most a checker spends fetching one input
@@ -100,27 +99,37 @@ def assignments(beacon: bytes, members: list[str], owners: list[str] | None = No
     return {p: checkers_of(beacon, members, p) for p in sampled}
 
 
-def judge(gains: tuple[float, ...]) -> tuple[str, ...]:
-    """The verdict of a check from its ``gains`` (assigned, control, reference assigned,
-    reference control); () measured nothing (the member withheld its input).
+GAINS = 7  # the losses a check records (``judge``)
 
-    A verdict needs the reference to show what it tests. *Unhelpful* compares with the
-    checker's own gain on the control windows, so only while that is positive (later in a run a
-    whole local update overshoots on data it did not see: every control gain goes negative).
-    *Unassigned* needs the checker's own advantage on its windows over the control to be
-    positive and at least MIN_ADVANTAGE of the control gain's size: in the first rounds an
-    update learns what all windows share, and a window's own share is lost in the noise
-    (measured in docs/ledger.md)."""
+
+def judge(gains: tuple[float, ...]) -> tuple[str, ...]:
+    """The verdict of a check from its ``gains``: the mean losses of the member's model θ − u on
+    the member's windows A, the checker's own windows B and the control windows C, of the
+    checker's θ − u' on A, B and C, and of θ on C; () measured nothing (the member withheld).
+
+    Every comparison is on the same windows, so what a window costs any model cancels, and
+    so does how far each update got in general (a slow host's update got less far):
+
+    - the member's *advantage* on its windows: how much more the loss of its model is below
+      the checker's on A than on C (the checker never saw A: A is to it like any data);
+    - the *reference*: the same of the checker's model against the member's on B.
+
+    *Unassigned*: the advantage is below UNASSIGNED of the reference, or the member's model does
+    worse on its own windows than the checker's, which never saw them (it trained on other data,
+    sent an old update or none, or noise). Only when the reference shows what it tests: positive
+    and at least MIN_ADVANTAGE of the checker's general gain on C in size. In a run's first
+    rounds an update learns what all windows share, and a window's own share is lost in the noise
+    (measured: ``scripts/bench.py checks``, docs/ledger.md)."""
     if not gains:
         return ("withheld",)
-    assigned, control, ref_assigned, ref_control = gains
-    flags = []
-    if ref_control > 0 and control < UNHELPFUL * ref_control and assigned < UNHELPFUL * ref_assigned:
-        flags.append("unhelpful")
-    advantage, reference = assigned - control, ref_assigned - ref_control
-    if reference > 0 and reference >= MIN_ADVANTAGE * abs(ref_control) and advantage < UNASSIGNED * reference:
-        flags.append("unassigned")
-    return tuple(flags)
+    m_a, m_b, m_c, c_a, c_b, c_c, base_c = gains
+    advantage = (m_c - m_a) - (c_c - c_a)
+    reference = (c_c - c_b) - (m_c - m_b)
+    if reference <= 0 or reference < MIN_ADVANTAGE * abs(base_c - c_c):
+        return ()
+    if advantage < UNASSIGNED * reference or m_a > c_a:
+        return ("unassigned",)
+    return ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +140,7 @@ class CheckRecord:
     round: int  # the round the update went into (its commit's number)
     sampled: str
     checker: str
-    gains: tuple[float, ...]  # (assigned, control, reference assigned, reference control); () if withheld
+    gains: tuple[float, ...]  # GAINS losses (``judge``); () if withheld
     public_key: bytes
     signature: bytes
 
@@ -157,7 +166,7 @@ class CheckRecord:
         scope, rnd, sampled, checker, gains, public_key, signature = value
         if not (isinstance(scope, str) and len(scope) <= 256 and isinstance(rnd, int) and not isinstance(rnd, bool)
                 and 0 < rnd < 2**53 and all(isinstance(p, str) and 0 < len(p) <= 128 for p in (sampled, checker))
-                and sampled != checker and isinstance(gains, list) and len(gains) in (0, 4)
+                and sampled != checker and isinstance(gains, list) and len(gains) in (0, GAINS)
                 and all(isinstance(g, float) and math.isfinite(g) for g in gains)
                 and isinstance(public_key, bytes) and len(public_key) <= _KEY_BYTES
                 and isinstance(signature, bytes) and len(signature) <= _SIGNATURE_BYTES):

@@ -19,6 +19,8 @@ from p2p import hostile as hostile_kinds
 from p2p.ledger import STANDING_ROUNDS, Entry, Standing
 from p2p.ledgerfile import read_ledger
 
+CHECK_VERDICTS = {"unassigned", "withheld"}  # p2p/checks.py CHECK_FLAGS (that module needs torch)
+
 # What an attacked swarm must achieve: no hostile state adopted, at least 90% of round attempts
 # committed, and the eval loss within 2% of the clean run's. Against a member that lies about its
 # work (the goals for contributions): it earns at most 10% of an honest peer's credit per
@@ -189,7 +191,10 @@ def ledger_verdicts(entries: list[Entry], peer_ids: dict[str, str], hostile: lis
     peers = {}
     for name, pid in peer_ids.items():
         rows = [(e.round, row) for e in entries for row in e.rows if row.peer == pid]
-        claimed, credit = math.fsum(r.claimed for _, r in rows), math.fsum(r.credit for _, r in rows)
+        # A round whose check failed earns nothing, as ``gonka-node ledger`` totals it.
+        revoked = {rnd for rnd, why in flagged_in.get(pid, {}).items() if why & CHECK_VERDICTS}
+        claimed = math.fsum(r.claimed for _, r in rows)
+        credit = math.fsum(r.credit for rnd, r in rows if rnd not in revoked)
         first = rows[0][0] if rows else None
         left_out, while_out = None, 0
         for e in entries:
@@ -220,15 +225,9 @@ def flagged_rounds(entries: list[Entry]) -> dict[str, dict[int, set[str]]]:
                 out.setdefault(row.peer, {}).setdefault(e.round, set()).update(row.flags)
     records = [c for e in entries for c in getattr(e, "checks", ())]
     if records:
-        from p2p.checks import assignments, failed
+        from p2p.checks import checkers_by_entry, failed
 
-        by_round = {e.round: e for e in entries}
-
-        def checkers(rnd: int, sampled: str) -> tuple[str, ...] | None:
-            checked = by_round.get(rnd)
-            return None if checked is None else assignments(checked.digest(), list(checked.members),
-                                                            list(checked.owners) or None).get(sampled)
-
+        checkers = checkers_by_entry({e.round: e for e in entries}.get)
         for sampled, rnd in failed(records, checkers):
             why = {f for c in records if (c.sampled, c.round) == (sampled, rnd) for f in c.flags}
             out.setdefault(sampled, {}).setdefault(rnd, set()).update(why)

@@ -141,6 +141,11 @@ def test_a_check_every_assigned_checker_failed_flags_the_round_it_checked():
     them = attackreport.ledger_verdicts(entries, IDS, ["hostile0"], ["honest2"])["peers"][name]
     assert (them["flagged"], them["first_flagged"]) == (1, 1)
     assert them["flags"] == ({"zero": 1, "withheld": 1} if name == "hostile0" else {"withheld": 1})
+    # ... and earns nothing for it, as `gonka-node ledger` totals it.
+    rows = [(e.round, r) for e in entries for r in e.rows if r.peer == sampled]
+    assert rows[0][0] == 1 and (rows[0][1].credit > 0 or name == "hostile0")
+    assert them["credit"] == pytest.approx(sum(r.credit for _, r in rows[1:]))
     # One checker's word is not enough.
-    entries[1] = Entry(2, entries[1].rows, checks=(record(checkers[0], ()), record(checkers[1], (1.0, 0.5, 1.0, 0.5))))
+    clean = (2.0, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3)  # ahead on its windows as the checker on its own
+    entries[1] = Entry(2, entries[1].rows, checks=(record(checkers[0], ()), record(checkers[1], clean)))
     assert attackreport.flagged_rounds(entries).get(sampled, {}).get(1, set()) <= {"zero"}

@@ -35,25 +35,33 @@ def test_the_beacon_samples_dialable_members_and_gives_each_distinct_checkers():
     assert set(assignments(b"beacon", members, checked=6, veterans={"p2", "p3", "p5"})) == {"p2", "p3", "p5"}
 
 
+# (member on its windows A, on the checker's B, on control C; checker on A, B, C; θ on C)
+HONEST = (2.0, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3)
+
+
 @pytest.mark.parametrize("gains,flags", [
     ((), ("withheld",)),
-    ((0.20, 0.10, 0.20, 0.10), ()),  # learned its windows as well as the checker did its own
-    ((0.11, 0.10, 0.20, 0.10), ("unassigned",)),  # no better on its windows than on any: other data
-    ((0.01, 0.00, 0.20, 0.10), ("unhelpful", "unassigned")),  # a stale or empty update
-    ((0.10, 0.10, 0.10 + 0.5 * MIN_ADVANTAGE * 0.1, 0.10), ()),  # the checker's own advantage too small to tell
-    ((0.5, 0.4, 0.3, -0.01), ()),  # no control gain to compare with: not unhelpful; learned its windows
-    ((-0.04, -0.02, 0.08, -0.02), ("unassigned",)),  # late in a run: every update overshoots on other data
+    (HONEST, ()),  # learned its windows as well as the checker did its own
+    ((2.1, 2.3, 2.3, 2.2, 2.0, 2.2, 2.3), ()),  # slow: less far in general, still ahead on its windows
+    ((2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # no better on its windows than on any: other data
+    ((2.16, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # an advantage below UNASSIGNED of the checker's
+    ((2.3, 2.5, 2.55, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # ahead on its windows, yet worse there than a
+    # model that never saw them
+    ((2.5, 2.5, 2.5, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # a stale update, noise or none
+    ((2.2, 2.2, 2.2, 2.2, 2.19, 2.2, 2.3), ()),  # the checker's own advantage too small to tell
+    ((2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.0 + 2.2 * MIN_ADVANTAGE), ()),  # ... next to its general gain
+    ((2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.1), ("unassigned",)),  # late in a run: updates overshoot on other data
 ])
 def test_a_verdict_follows_from_the_gains(gains, flags):
     assert judge(gains) == flags
 
 
 def test_a_record_is_signed_by_its_checker_and_its_verdict_is_its_gains(signers):
-    r = record(signers[0], signers[1].peer_id, 4, (0.11, 0.10, 0.20, 0.10))
+    r = record(signers[0], signers[1].peer_id, 4, (2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3))
     again = CheckRecord.from_wire(r.to_wire())
     assert again == r and again.flags == ("unassigned",)
     wire = r.to_wire()
-    wire[4] = [0.2, 0.1, 0.2, 0.1]  # the gains changed after signing: the verdict would differ
+    wire[4] = list(HONEST)  # the gains changed after signing: the verdict would differ
     with pytest.raises(ValueError):
         CheckRecord.from_wire(wire)
     wire = r.to_wire()
@@ -71,11 +79,11 @@ def test_a_member_fails_a_check_only_when_every_checker_flags_it_and_twice_is_le
     by_id = {s.peer_id: s for s in signers}
     entries = {r: Entry(r, tuple(row(p) for p in peers)) for r in range(1, 4)}
     plan = {1: assignments(entries[1].digest(), peers)}
-    bad = (0.11, 0.10, 0.20, 0.10)
+    bad = (2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3)
     # Round 1: the first sampled member is flagged by both its checkers; the second by one only.
     s1, s2 = list(plan[1])
     records = [record(by_id[c], s1, 1, bad) for c in plan[1][s1]]
-    records += [record(by_id[plan[1][s2][0]], s2, 1, bad), record(by_id[plan[1][s2][1]], s2, 1, (0.2, 0.1, 0.2, 0.1))]
+    records += [record(by_id[plan[1][s2][0]], s2, 1, bad), record(by_id[plan[1][s2][1]], s2, 1, HONEST)]
     assert failed(records, lambda r, s: plan.get(r, {}).get(s)) == {(s1, 1)}
     entries[2] = Entry(2, entries[2].rows, tuple(records))
     plan[2] = assignments(entries[2].digest(), peers)  # its beacon is the entry with the records
