@@ -17,7 +17,7 @@ import argparse
 import importlib
 from typing import Any, Callable
 
-NAMES = ("aggregate", "allreduce", "codecs", "convergence", "dataloader", "gpu", "hostranks", "join", "killed",
+NAMES = ("aggregate", "allreduce", "checks", "codecs", "convergence", "dataloader", "gpu", "hostranks", "join", "killed",
          "memory", "outerstate", "overhead", "planfit", "prepare", "scale", "sweep", "trust", "utilization")
 
 

@@ -72,6 +72,8 @@ SPECS: dict[str, dict] = {
                                          "diloco fp4, no feedback", "diloco, eager overlap",
                                          "diloco, bf16 inner loop", "diloco, 8bit inner loop",
                                          "diloco, bf16+8bit inner loop", "diloco sparse + SparseLoCo step"})),
+    "checks": dict(positive=["members", "checks"], systems=("kind", {"fast", "slow", "shirk", "replay", "free_ride",
+                                                                     "noise"})),
     "sweep": dict(positive=["eval_loss", "x_fp32", "bytes_each_way"], systems=("codec", {"fp32", "sparse"})),
     "dataloader": dict(positive=["batches", "samples_s", "Mtokens_s", "rss_start_MB", "rss_end_MB", "rss_peak_MB"],
                        finite=["rss_growth_MB"], systems=("source", {"mmap", "in_memory"})),
@@ -99,7 +101,7 @@ SPECS: dict[str, dict] = {
 # Groups, each one process, in this order.
 GROUPS: dict[str, list[str]] = {
     # In-process work and a few short-lived children each.
-    "cpu": ["codecs", "trust", "aggregate", "convergence", "sweep", "dataloader", "prepare", "scale", "outerstate"],
+    "cpu": ["codecs", "trust", "aggregate", "checks", "convergence", "sweep", "dataloader", "prepare", "scale", "outerstate"],
     # Several gonka-node (or bare training loop) processes each.
     "nodes": ["overhead", "gpu", "memory", "planfit"],
     # The testbed (network namespaces): root only. Two groups side by side: their benchmarks mostly
@@ -110,7 +112,7 @@ GROUPS: dict[str, list[str]] = {
 TESTBED_GROUPS = {"testbed", "testbed2"}
 # Smoke wall seconds on the 2-core development machine, load average 1-2 (5-7: up to twice
 # that), one group at a time: the time limit is 4 times their sum, plus a start-up.
-SECONDS = {"codecs": 1, "trust": 1, "outerstate": 4, "aggregate": 7, "convergence": 25, "sweep": 5, "dataloader": 5, "prepare": 3, "scale": 6,
+SECONDS = {"codecs": 1, "trust": 1, "checks": 6, "outerstate": 4, "aggregate": 7, "convergence": 25, "sweep": 5, "dataloader": 5, "prepare": 3, "scale": 6,
            "overhead": 14, "gpu": 16, "memory": 85, "planfit": 25, "allreduce": 17, "killed": 19, "join": 32,
            "utilization": 40, "hostranks": 45}
 
