@@ -81,11 +81,18 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
     open); sums are exactly rounded (``math.fsum``), so they do not depend on the file's order.
 
     A round whose check failed (every checker flagged it, in any entry of the file: checks come
-    in later rounds' entries) earns no credit, whatever its row said at commit."""
-    from p2p.checks import checkers_by_entry, failed
+    in later rounds' entries) earns no credit, whatever its row said at commit, and neither do
+    the peer's rounds since its last passed check (p2p/checks.py ``revoked``)."""
+    from p2p.checks import checkers_by_entry, failed, revoked
 
     entries = {cert.round: cert.entry for cert in certs}
-    failing = failed([c for e in entries.values() for c in e.checks], checkers_by_entry(entries.get))
+    records, checkers = [c for e in entries.values() for c in e.checks], checkers_by_entry(entries.get)
+    failing = failed(records, checkers)
+    member_of: dict[str, list[int]] = {}
+    for cert in certs:
+        for row in cert.entry.rows:
+            member_of.setdefault(row.peer, []).append(cert.round)
+    taken = revoked(records, checkers, member_of)
     rows: dict[str, list] = {}
     rounds = []
     for cert in certs:
@@ -98,7 +105,7 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
     for peer, mine in sorted(rows.items()):
         claimed = math.fsum(row.claimed for _, row in mine)
         checked_out = [r for r, _ in mine if (peer, r) in failing]
-        credit = math.fsum(row.credit for r, row in mine if (peer, r) not in failing)
+        credit = math.fsum(row.credit for r, row in mine if (peer, r) not in taken)
         flagged = sorted({r for r, row in mine if row.flags} | set(checked_out))
         peers[peer] = {
             "rounds": len(mine),
@@ -109,6 +116,7 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
             "flagged": len(flagged),
             "flags": {flag: sum(flag in row.flags for _, row in mine) for flag in FLAGS},
             "failed_checks": len(checked_out),
+            "revoked": sum((peer, r) in taken for r, _ in mine),
             "last_flagged": max(flagged) if flagged else None,
         }
     return {"entries": len(rounds), "first_round": min(rounds, default=None),

@@ -19,8 +19,6 @@ from p2p import hostile as hostile_kinds
 from p2p.ledger import STANDING_ROUNDS, Entry, Standing
 from p2p.ledgerfile import read_ledger
 
-CHECK_VERDICTS = {"unassigned", "withheld"}  # p2p/checks.py CHECK_FLAGS (that module needs torch)
-
 # What an attacked swarm must achieve: no hostile state adopted, at least 90% of round attempts
 # committed, and the eval loss within 2% of the clean run's. Against a member that lies about its
 # work (the issue's goals for contributions): it earns at most 10% of an honest peer's credit per
@@ -188,13 +186,12 @@ def ledger_verdicts(entries: list[Entry], peer_ids: dict[str, str], hostile: lis
     # The standing each round began with, from the entries before it (as its members computed it).
     standings = {e.round: standing([by_round[r] for r in range(e.round - STANDING_ROUNDS, e.round) if r in by_round],
                                    by_round) for e in entries}
+    taken = revoked_rounds(entries)
     peers = {}
     for name, pid in peer_ids.items():
         rows = [(e.round, row) for e in entries for row in e.rows if row.peer == pid]
-        # A round whose check failed earns nothing, as ``gonka-node ledger`` totals it.
-        revoked = {rnd for rnd, why in flagged_in.get(pid, {}).items() if why & CHECK_VERDICTS}
         claimed = math.fsum(r.claimed for _, r in rows)
-        credit = math.fsum(r.credit for rnd, r in rows if rnd not in revoked)
+        credit = math.fsum(r.credit for rnd, r in rows if (pid, rnd) not in taken)
         first = rows[0][0] if rows else None
         left_out, while_out = None, 0
         for e in entries:
@@ -212,6 +209,21 @@ def ledger_verdicts(entries: list[Entry], peer_ids: dict[str, str], hostile: lis
                        "flags": count_flags(fl for _, fl in flagged)}
     out = {"entries": len(entries), "rounds": [entries[0].round, entries[-1].round] if entries else None}
     return out | honest_figures(peers, hostile, slow)
+
+
+def revoked_rounds(entries: list[Entry]) -> set[tuple[str, int]]:
+    """(peer, round) whose credit failed checks take back, as ``gonka-node ledger`` totals it
+    (p2p/checks.py ``revoked``): a failed round and the peer's rounds since its last passed check."""
+    records = [c for e in entries for c in getattr(e, "checks", ())]
+    if not records:
+        return set()
+    from p2p.checks import checkers_by_entry, revoked
+
+    member_of: dict[str, list[int]] = {}
+    for e in entries:
+        for row in e.rows:
+            member_of.setdefault(row.peer, []).append(e.round)
+    return revoked(records, checkers_by_entry({e.round: e for e in entries}.get), member_of)
 
 
 def flagged_rounds(entries: list[Entry]) -> dict[str, dict[int, set[str]]]:

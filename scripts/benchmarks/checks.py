@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from p2p.checks import CHECK_WINDOWS, CHECKED, CHECKERS, judge
+from p2p.checks import CHECK_WINDOWS, CHECKED, CHECKERS, judge, judged
 from trainer.check import check_gains, control_windows, trained_windows, yardstick
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import load_corpus
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                 t0 = time.perf_counter()
                 gains = check_gains(worker, m, updates[m], assigned[m], own, control, shared)
                 check_s.append(time.perf_counter() - t0)
-                verdicts[m].append((rnd, c, judge(gains), _judged(gains)))
+                verdicts[m].append((rnd, c, judge(gains), judged(gains)))
         honest = [n for n in names if kind[n] in ("fast", "slow")]
         weight = sum(tokens[n] for n in honest)
         avg = sum(updates[n] * (tokens[n] / weight) for n in honest)
@@ -157,13 +157,6 @@ def _checkers_of(member: str, checkers: list[str]) -> list[str]:
         return checkers[:CHECKERS]
     i = checkers.index(member)
     return [checkers[(i + 1 + j) % len(checkers)] for j in range(CHECKERS)]
-
-
-def _judged(gains: tuple[float, ...]) -> bool:
-    """Whether the checker's own advantage was large enough for a verdict (p2p/checks.py
-    ``judge``): the same gains with the member's model as poor as can be are flagged."""
-    worst = (float("inf"), *gains[1:])
-    return bool(judge(worst))
 
 
 def _row(kind: str, members: list[str], verdicts: dict[str, list]) -> dict:

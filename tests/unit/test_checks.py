@@ -4,8 +4,8 @@ tests/integration/test_hostile.py and scripts/attack.py."""
 
 import pytest
 
-from p2p.checks import (CHECKERS, CHECKED, MIN_ADVANTAGE, CheckRecord, assignments, failed, judge,
-                        signed_message)
+from p2p.checks import (CHECKERS, CHECKED, MIN_ADVANTAGE, CheckRecord, assignments, failed, judge, judged,
+                        passed, revoked, signed_message)
 from p2p.identity import generate_identity
 from p2p.ledger import Entry, Row, Standing
 from p2p.records import RecordSigner
@@ -97,3 +97,25 @@ def test_a_member_fails_a_check_only_when_every_checker_flags_it_and_twice_is_le
     # The entry's checks travel with it: msgpack and JSON give back the same digest.
     assert Entry.from_list(entries[2].to_list()).digest() == entries[2].digest()
     assert Entry.from_json(entries[2].to_json()).digest() == entries[2].digest()
+
+
+TOO_EARLY = (2.2, 2.2, 2.2, 2.2, 2.19, 2.2, 2.3)  # the checker's own advantage too small: no verdict
+FLAGGED = (2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3)
+
+
+def test_a_failed_check_takes_back_the_credit_since_the_last_passed_one(signers):
+    c1, c2, member = signers[0], signers[1], signers[2].peer_id
+    assert judged(HONEST) and judged(FLAGGED) and not judged(TOO_EARLY) and not judged(())
+    checks = {1: (TOO_EARLY, TOO_EARLY), 2: (FLAGGED, FLAGGED), 3: (FLAGGED, HONEST), 4: (HONEST, HONEST),
+              5: (HONEST, TOO_EARLY), 7: (FLAGGED, FLAGGED)}
+    records = [record(c, member, rnd, g) for rnd, pair in checks.items() for c, g in zip((c1, c2), pair)]
+    checkers = lambda rnd, sampled: (c1.peer_id, c2.peer_id) if sampled == member else None  # noqa: E731
+    assert failed(records, checkers) == {(member, 2), (member, 7)}
+    assert passed(records, checkers) == {(member, 4)}  # round 5: one checker could not tell
+    # Rounds 1-2: nothing passed before the failure; 5-7: since round 4, which passed. Round 6
+    # was not checked, 8 came after: both stand, and so do the rounds of another peer.
+    rounds = {member: range(1, 9), signers[3].peer_id: range(1, 9)}
+    assert revoked(records, checkers, rounds) == {(member, r) for r in (1, 2, 5, 6, 7)}
+    # Only rounds it was a member of; a check whose checkers are unknown counts for nothing.
+    assert revoked(records, checkers, {member: [2, 6]}) == {(member, 2), (member, 6)}
+    assert revoked(records, lambda rnd, sampled: None, rounds) == set()
