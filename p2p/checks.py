@@ -115,8 +115,9 @@ def judge(gains: tuple[float, ...]) -> tuple[str, ...]:
     - the *reference*: the same of the checker's model against the member's on B.
 
     *Unassigned*: the advantage is below UNASSIGNED of the reference, or the member's model does
-    worse on its own windows than the checker's, which never saw them (it trained on other data,
-    sent an old update or none, or noise). Only when the reference shows what it tests: positive
+    worse on its own windows than the checker's, which never saw them, by more than that (it
+    trained on other data, sent an old update or none, or noise; a slow host's model may be a
+    little worse there: it got less far in general). Only when the reference shows what it tests: positive
     and at least MIN_ADVANTAGE of the checker's general gain on C in size. In a run's first
     rounds an update learns what all windows share, and a window's own share is lost in the noise
     (measured: ``scripts/bench.py checks``, docs/ledger.md)."""
@@ -127,7 +128,7 @@ def judge(gains: tuple[float, ...]) -> tuple[str, ...]:
     reference = (c_c - c_b) - (m_c - m_b)
     if reference <= 0 or reference < MIN_ADVANTAGE * abs(base_c - c_c):
         return ()
-    if advantage < UNASSIGNED * reference or m_a > c_a:
+    if advantage < UNASSIGNED * reference or m_a - c_a > UNASSIGNED * reference:
         return ("unassigned",)
     return ()
 

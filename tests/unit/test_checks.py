@@ -46,7 +46,8 @@ HONEST = (2.0, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3)
     ((2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # no better on its windows than on any: other data
     ((2.16, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # an advantage below UNASSIGNED of the checker's
     ((2.3, 2.5, 2.55, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # ahead on its windows, yet worse there than a
-    # model that never saw them
+    # model that never saw them, by more than UNASSIGNED of the reference
+    ((2.23, 2.4, 2.45, 2.2, 2.0, 2.2, 2.3), ()),  # a slow host: a little worse there, well ahead of its control
     ((2.5, 2.5, 2.5, 2.2, 2.0, 2.2, 2.3), ("unassigned",)),  # a stale update, noise or none
     ((2.2, 2.2, 2.2, 2.2, 2.19, 2.2, 2.3), ()),  # the checker's own advantage too small to tell
     ((2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.0 + 2.2 * MIN_ADVANTAGE), ()),  # ... next to its general gain
