@@ -16,6 +16,7 @@ is printed when the stream ends. The exit code is the first stream's that failed
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = 3
@@ -86,7 +88,7 @@ def main() -> int:
     for i, files in enumerate(streams):
         log = open(base / f"stream{i}.log", "wb")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=12",
-               "--basetemp", str(base / f"s{i}"), *files]
+               "--basetemp", str(base / f"s{i}"), "--junitxml", str(base / f"stream{i}.xml"), *files]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True, env=env), log, i))
     print(f"{len(procs)} pytest processes side by side (tests/streams.py), logs in {base}", flush=True)
@@ -121,7 +123,31 @@ def main() -> int:
         time.sleep(0.5)
     print(f"suite: {time.monotonic() - started:.1f}s of tests in {len(procs)} streams, "
           f"{'all passed' if code == 0 else 'FAILED'}", flush=True)
+    seconds = file_seconds(sorted(base.glob("stream*.xml")))
+    if seconds:  # what ``SECONDS`` should say, from this run
+        (base / "files.json").write_text(json.dumps(seconds, indent=1))
+        top = ", ".join(f"{f.split('/')[-1]} {t:.0f}" for f, t in list(seconds.items())[:8])
+        print(f"slowest files (s, setup to teardown; all in {base / 'files.json'}): {top}", flush=True)
     return code
+
+
+def file_seconds(reports: list[Path]) -> dict[str, float]:
+    """Seconds per test file (its tests' setup, call and teardown) from pytest's JUnit XML
+    reports, longest first."""
+    out: dict[str, float] = {}
+    for report in reports:
+        try:
+            cases = ElementTree.parse(report).getroot().iter("testcase")
+        except (OSError, ElementTree.ParseError):
+            continue
+        for case in cases:
+            parts = case.get("classname", "").split(".")
+            for n in range(len(parts), 0, -1):  # tests.unit.test_x[.TestClass]: the module's path
+                path = "/".join(parts[:n]) + ".py"
+                if (ROOT / path).is_file():
+                    out[path] = out.get(path, 0.0) + float(case.get("time", 0) or 0)
+                    break
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 if __name__ == "__main__":
