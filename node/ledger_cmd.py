@@ -83,7 +83,8 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
     A round whose check failed (every checker flagged it, in any entry of the file: checks come
     in later rounds' entries) earns no credit, whatever its row said at commit, and neither do
     the peer's rounds since its last passed check (p2p/checks.py ``revoked``)."""
-    from p2p.checks import checkers_by_entry, failed, revoked
+    from p2p.checks import checkers_by_entry, failed
+    from p2p.ledger import revoked
 
     entries = {cert.round: cert.entry for cert in certs}
     records, checkers = [c for e in entries.values() for c in e.checks], checkers_by_entry(entries.get)

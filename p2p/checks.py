@@ -216,36 +216,6 @@ def judged(gains: tuple[float, ...]) -> bool:
     return bool(gains) and bool(judge((math.inf, *gains[1:])))
 
 
-def passed(records: Iterable[CheckRecord], checkers: Callable[[int, str], tuple[str, ...] | None]
-           ) -> set[tuple[str, int]]:
-    """(sampled, round) of every check that every assigned checker judged and none flagged."""
-    clean: dict[tuple[str, int], set[str]] = {}
-    spoiled = set()
-    for r in records:
-        key = (r.sampled, r.round)
-        if r.flags or not judged(r.gains):
-            spoiled.add(key)
-        else:
-            clean.setdefault(key, set()).add(r.checker)
-    return {(s, rnd) for (s, rnd), by in clean.items()
-            if (s, rnd) not in spoiled and (assigned := checkers(rnd, s)) and set(assigned) <= by}
-
-
-def revoked(records: Iterable[CheckRecord], checkers: Callable[[int, str], tuple[str, ...] | None],
-            rounds: dict[str, Iterable[int]]) -> set[tuple[str, int]]:
-    """(peer, round) whose credit a failed check takes back: the failed round and every round of
-    ``rounds[peer]`` (the rounds it was a member of) since its last passed check before it. Early
-    rounds, when checks abstain, earn their credit once a later check passes."""
-    records = list(records)
-    bad, good = failed(records, checkers), passed(records, checkers)
-    out = set()
-    for peer, mine in rounds.items():
-        for rnd in sorted(r for p, r in bad if p == peer):
-            since = max((r for p, r in good if p == peer and r < rnd), default=0)
-            out.update((peer, r) for r in mine if since < r <= rnd)
-    return out
-
-
 @dataclass(eq=False)
 class _Retained:
     """What this member keeps of its last committed round for checks."""

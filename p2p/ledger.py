@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 
 import msgpack
 
-from p2p.checks import MAX_CHECKS_PER_ENTRY, CheckRecord, checkers_by_entry, failed
+from p2p.checks import MAX_CHECKS_PER_ENTRY, CheckRecord, checkers_by_entry, failed, judged
 from p2p.scores import Score
 
 ENTRY_VERSION = 1
@@ -221,8 +221,14 @@ class Standing:
                 if row.flags:
                     rounds.setdefault(row.peer, set()).add(entry.round)
 
+        # A failed check counts once a second one confirms it: a verdict on 32 windows can miss
+        # an honest host (a slow one in its warmup, say) where a row's flags do not.
+        checked_out: dict[str, set[int]] = {}
         for sampled, rnd in failed([c for e in entries for c in e.checks], checkers_by_entry(lookup)):
-            rounds.setdefault(sampled, set()).add(rnd)
+            checked_out.setdefault(sampled, set()).add(rnd)
+        for peer, failures in checked_out.items():
+            if len(failures) >= 2:
+                rounds.setdefault(peer, set()).update(failures)
         self.flagged = {peer: len(r) for peer, r in rounds.items()}
 
     def factor(self, peer: str) -> float:
@@ -240,3 +246,38 @@ class Standing:
         """8 bytes naming ``factors(members)``: a leader's proposal carries it, and a member whose
         own entries give other weights refuses the group rather than average differently."""
         return hashlib.sha256(msgpack.packb([members, self.factors(members)])).digest()[:8]
+
+
+def passed(records: Iterable[CheckRecord], checkers: Callable[[int, str], tuple[str, ...] | None]
+           ) -> set[tuple[str, int]]:
+    """(sampled, round) of every check that every assigned checker judged and none flagged."""
+    clean: dict[tuple[str, int], set[str]] = {}
+    spoiled = set()
+    for r in records:
+        key = (r.sampled, r.round)
+        if r.flags or not judged(r.gains):
+            spoiled.add(key)
+        else:
+            clean.setdefault(key, set()).add(r.checker)
+    return {(s, rnd) for (s, rnd), by in clean.items()
+            if (s, rnd) not in spoiled and (assigned := checkers(rnd, s)) and set(assigned) <= by}
+
+
+def revoked(records: Iterable[CheckRecord], checkers: Callable[[int, str], tuple[str, ...] | None],
+            rounds: dict[str, Iterable[int]]) -> set[tuple[str, int]]:
+    """(peer, round) whose credit failed checks take back. A failed round always; and once a
+    second failed check within STANDING_ROUNDS confirms it (two leave a member out), every
+    round of ``rounds[peer]`` (the rounds it was a member of) since its last passed check before
+    it: a run's first rounds, when checks abstain, earn their credit once a later check passes,
+    not before a liar is caught. One failure of an honest host (a slow one in its warmup, say)
+    costs it that round only."""
+    records = list(records)
+    bad, good = failed(records, checkers), passed(records, checkers)
+    out = set()
+    for peer, mine in rounds.items():
+        failures = sorted(r for p, r in bad if p == peer)
+        for rnd in failures:
+            confirmed = any(other != rnd and abs(other - rnd) < STANDING_ROUNDS for other in failures)
+            since = max((r for p, r in good if p == peer and r < rnd), default=0) if confirmed else rnd - 1
+            out.update((peer, r) for r in mine if since < r <= rnd)
+    return out

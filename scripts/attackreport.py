@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from p2p import hostile as hostile_kinds
-from p2p.ledger import STANDING_ROUNDS, Entry, Standing
+from p2p.ledger import STANDING_ROUNDS, Entry, Standing, revoked
 from p2p.ledgerfile import read_ledger
 
 # What an attacked swarm must achieve: no hostile state adopted, at least 90% of round attempts
@@ -213,11 +213,11 @@ def ledger_verdicts(entries: list[Entry], peer_ids: dict[str, str], hostile: lis
 
 def revoked_rounds(entries: list[Entry]) -> set[tuple[str, int]]:
     """(peer, round) whose credit failed checks take back, as ``gonka-node ledger`` totals it
-    (p2p/checks.py ``revoked``): a failed round and the peer's rounds since its last passed check."""
+    (p2p/ledger.py ``revoked``)."""
     records = [c for e in entries for c in getattr(e, "checks", ())]
     if not records:
         return set()
-    from p2p.checks import checkers_by_entry, revoked
+    from p2p.checks import checkers_by_entry
 
     member_of: dict[str, list[int]] = {}
     for e in entries:

@@ -5,9 +5,9 @@ tests/integration/test_hostile.py and scripts/attack.py."""
 import pytest
 
 from p2p.checks import (CHECKERS, CHECKED, MIN_ADVANTAGE, CheckRecord, assignments, failed, judge, judged,
-                        passed, revoked, signed_message)
+                        signed_message)
 from p2p.identity import generate_identity
-from p2p.ledger import Entry, Row, Standing
+from p2p.ledger import STANDING_ROUNDS, Entry, Row, Standing, passed, revoked
 from p2p.records import RecordSigner
 
 pytestmark = pytest.mark.timeout(30)
@@ -71,8 +71,8 @@ def test_a_record_is_signed_by_its_checker_and_its_verdict_is_its_gains(signers)
         CheckRecord.from_wire(wire)
 
 
-def row(peer: str) -> Row:
-    return Row(peer, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0, 1.0, (), 1.0)
+def row(peer: str, flags: tuple[str, ...] = ()) -> Row:
+    return Row(peer, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0, 1.0, flags, 0.0 if flags else 1.0)
 
 
 def test_a_member_fails_a_check_only_when_every_checker_flags_it_and_twice_is_left_out(signers):
@@ -89,12 +89,15 @@ def test_a_member_fails_a_check_only_when_every_checker_flags_it_and_twice_is_le
     entries[2] = Entry(2, entries[2].rows, tuple(records))
     plan[2] = assignments(entries[2].digest(), peers)  # its beacon is the entry with the records
     standing = Standing([entries[1], entries[2]], entries.get)
-    assert standing.factor(s1) == 0.25 and standing.factor(s2) == 1.0
-    # Failed again for round 2 (any sampled member of it): two flagged rounds, left out.
+    assert standing.factor(s1) == 1.0 and standing.factor(s2) == 1.0  # one failure: not yet confirmed
+    # Failed again for round 2 (any sampled member of it): confirmed, two flagged rounds, left out.
     s = s1 if s1 in plan[2] else next(iter(plan[2]))
     entries[3] = Entry(3, entries[3].rows, tuple(record(by_id[c], s, 2, bad) for c in plan[2][s]))
     standing = Standing([entries[1], entries[2], entries[3]], entries.get)
-    assert (standing.factor(s) == 0.0) == (s == s1)
+    assert standing.factor(s) == (0.0 if s == s1 else 1.0)
+    # A flagged row counts at once; a single failed check still adds nothing to it.
+    entries[2] = Entry(2, tuple(row(p, flags=("idle",) if p == s1 else ()) for p in peers), tuple(records))
+    assert Standing([entries[1], entries[2]], entries.get).factor(s1) == 0.25
     # The entry's checks travel with it: msgpack and JSON give back the same digest.
     assert Entry.from_list(entries[2].to_list()).digest() == entries[2].digest()
     assert Entry.from_json(entries[2].to_json()).digest() == entries[2].digest()
@@ -104,7 +107,7 @@ TOO_EARLY = (2.2, 2.2, 2.2, 2.2, 2.19, 2.2, 2.3)  # the checker's own advantage 
 FLAGGED = (2.2, 2.2, 2.2, 2.2, 2.0, 2.2, 2.3)
 
 
-def test_a_failed_check_takes_back_the_credit_since_the_last_passed_one(signers):
+def test_a_failed_check_takes_back_the_credit_since_the_last_passed_one_once_confirmed(signers):
     c1, c2, member = signers[0], signers[1], signers[2].peer_id
     assert judged(HONEST) and judged(FLAGGED) and not judged(TOO_EARLY) and not judged(())
     checks = {1: (TOO_EARLY, TOO_EARLY), 2: (FLAGGED, FLAGGED), 3: (FLAGGED, HONEST), 4: (HONEST, HONEST),
@@ -113,10 +116,16 @@ def test_a_failed_check_takes_back_the_credit_since_the_last_passed_one(signers)
     checkers = lambda rnd, sampled: (c1.peer_id, c2.peer_id) if sampled == member else None  # noqa: E731
     assert failed(records, checkers) == {(member, 2), (member, 7)}
     assert passed(records, checkers) == {(member, 4)}  # round 5: one checker could not tell
-    # Rounds 1-2: nothing passed before the failure; 5-7: since round 4, which passed. Round 6
-    # was not checked, 8 came after: both stand, and so do the rounds of another peer.
+    # Two failures: rounds 1-2 (nothing passed before the first) and 5-7 (since round 4, which
+    # passed). Round 6 was not checked, 8 came after: both stand, and so do another peer's rounds.
     rounds = {member: range(1, 9), signers[3].peer_id: range(1, 9)}
     assert revoked(records, checkers, rounds) == {(member, r) for r in (1, 2, 5, 6, 7)}
     # Only rounds it was a member of; a check whose checkers are unknown counts for nothing.
     assert revoked(records, checkers, {member: [2, 6]}) == {(member, 2), (member, 6)}
     assert revoked(records, lambda rnd, sampled: None, rounds) == set()
+    # One failure alone (an honest slow host in its warmup, say) costs that round only; two
+    # further apart than the standing's window do not confirm each other either.
+    alone = [r for r in records if r.round != 7]
+    assert revoked(alone, checkers, rounds) == {(member, 2)}
+    far = alone + [record(c, member, 2 + STANDING_ROUNDS, FLAGGED) for c in (c1, c2)]
+    assert revoked(far, checkers, {member: range(1, 30)}) == {(member, 2), (member, 2 + STANDING_ROUNDS)}
