@@ -31,25 +31,26 @@ STREAMS = 3
 DIRECTORIES = ("tests/unit", "tests/integration", "tests/testbed")
 TOGETHER = ("tests/testbed",)  # directories whose files run in one stream, in order
 DEFAULT = 2.0
-# Wall seconds of the longer files in one run of the suite in streams (2026-12-06, 3 streams).
+# Wall seconds of the longer files (setup to teardown) in one run of the suite in streams: the
+# files.json a run writes (2026-12-07, a fresh clone on the 2-core VM, 3 streams, 540 s).
 SECONDS = {
-    "tests/integration/test_faults.py": 250, "tests/integration/test_host_ranks.py": 205,
-    "tests/testbed/test_wan_swarm.py": 135, "tests/integration/test_resume.py": 103,
-    "tests/integration/test_hostile.py": 120, "tests/integration/test_overlap.py": 82,
-    "tests/unit/test_simulator.py": 68, "tests/integration/test_fingerprint.py": 68,
-    "tests/integration/test_heterogeneous.py": 58, "tests/integration/test_hf_run.py": 56,
-    "tests/integration/test_closed_swarm.py": 55, "tests/integration/test_swarm.py": 51,
-    "tests/unit/test_rounds.py": 47, "tests/unit/test_hostile.py": 47,
-    "tests/integration/test_simulator_matches.py": 47, "tests/testbed/test_testbed.py": 44,
-    "tests/unit/test_hostile_conduct.py": 38, "tests/unit/test_export.py": 28, "tests/unit/test_parallel.py": 27,
-    "tests/unit/test_meeting.py": 26, "tests/integration/test_bad_model_input.py": 25, "tests/unit/test_cli.py": 19,
-    "tests/unit/test_prepare.py": 18, "tests/integration/test_lifecycle.py": 18,
-    "tests/integration/test_operator.py": 30, "tests/unit/test_outer.py": 12, "tests/unit/test_model.py": 12,
-    "tests/integration/test_history.py": 12, "tests/unit/test_presets.py": 11, "tests/unit/test_transfer.py": 10,
-    "tests/testbed/test_wan.py": 10, "tests/unit/test_data.py": 9,
-    "tests/unit/test_determinism.py": 8, "tests/unit/test_allocator.py": 8, "tests/unit/test_wire.py": 7,
-    "tests/unit/test_signing.py": 6, "tests/unit/test_dialing.py": 4,
-    "tests/unit/test_memory_modes.py": 16, "tests/unit/test_plan.py": 15, "tests/unit/test_inithash.py": 5,
+    "tests/integration/test_faults.py": 257, "tests/integration/test_host_ranks.py": 187,
+    "tests/integration/test_hostile.py": 133, "tests/testbed/test_wan_swarm.py": 112,
+    "tests/integration/test_resume.py": 71, "tests/unit/test_hostile.py": 59,
+    "tests/integration/test_overlap.py": 56, "tests/integration/test_heterogeneous.py": 51,
+    "tests/integration/test_fingerprint.py": 48, "tests/testbed/test_testbed.py": 38,
+    "tests/integration/test_hf_run.py": 38, "tests/integration/test_closed_swarm.py": 36,
+    "tests/unit/test_simulator.py": 36, "tests/integration/test_swarm.py": 33, "tests/unit/test_rounds.py": 32,
+    "tests/unit/test_hostile_conduct.py": 30, "tests/unit/test_parallel.py": 27,
+    "tests/integration/test_simulator_matches.py": 27, "tests/unit/test_meeting.py": 24,
+    "tests/integration/test_bad_model_input.py": 23, "tests/unit/test_export.py": 23,
+    "tests/integration/test_operator.py": 23, "tests/unit/test_cli.py": 16, "tests/unit/test_prepare.py": 15,
+    "tests/unit/test_data.py": 15, "tests/unit/test_outer.py": 14, "tests/unit/test_model.py": 10,
+    "tests/unit/test_transfer.py": 10, "tests/unit/test_memory_modes.py": 10,
+    "tests/integration/test_history.py": 9, "tests/unit/test_plan.py": 8, "tests/unit/test_signing.py": 8,
+    "tests/testbed/test_wan.py": 7, "tests/unit/test_wire.py": 6, "tests/unit/test_presets.py": 6,
+    "tests/integration/test_lifecycle.py": 4, "tests/unit/test_ledger_rounds.py": 4,
+    "tests/unit/test_allocator.py": 4, "tests/unit/test_checkpoint.py": 3
 }
 
 
