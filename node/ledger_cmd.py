@@ -82,18 +82,14 @@ def totals(certs, first: int | None = None, last: int | None = None) -> dict:
 
     A round whose check failed (every checker flagged it, in any entry of the file: checks come
     in later rounds' entries) earns no credit, whatever its row said at commit, and neither do
-    the peer's rounds since its last passed check (p2p/checks.py ``revoked``)."""
+    the peer's rounds since its last passed check once a second failure confirms it (p2p/ledger.py
+    ``revoked``)."""
     from p2p.checks import checkers_by_entry, failed
-    from p2p.ledger import revoked
+    from p2p.ledger import revoked_in
 
     entries = {cert.round: cert.entry for cert in certs}
-    records, checkers = [c for e in entries.values() for c in e.checks], checkers_by_entry(entries.get)
-    failing = failed(records, checkers)
-    member_of: dict[str, list[int]] = {}
-    for cert in certs:
-        for row in cert.entry.rows:
-            member_of.setdefault(row.peer, []).append(cert.round)
-    taken = revoked(records, checkers, member_of)
+    failing = failed([c for e in entries.values() for c in e.checks], checkers_by_entry(entries.get))
+    taken = revoked_in(cert.entry for cert in certs)
     rows: dict[str, list] = {}
     rounds = []
     for cert in certs:

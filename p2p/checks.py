@@ -117,10 +117,10 @@ def judge(gains: tuple[float, ...]) -> tuple[str, ...]:
     *Unassigned*: the advantage is below UNASSIGNED of the reference, or the member's model does
     worse on its own windows than the checker's, which never saw them, by more than that (it
     trained on other data, sent an old update or none, or noise; a slow host's model may be a
-    little worse there: it got less far in general). Only when the reference shows what it tests: positive
-    and at least MIN_ADVANTAGE of the checker's general gain on C in size. In a run's first
-    rounds an update learns what all windows share, and a window's own share is lost in the noise
-    (measured: ``scripts/bench.py checks``, docs/ledger.md)."""
+    little worse there: it got less far in general). Only when the reference shows what it
+    tests: positive and at least MIN_ADVANTAGE of the checker's general gain on C in size. In a
+    run's first rounds an update learns what all windows share, and a window's own share is lost
+    in the noise (measured: ``scripts/bench.py checks``, docs/ledger.md)."""
     if not gains:
         return ("withheld",)
     m_a, m_b, m_c, c_a, c_b, c_c, base_c = gains

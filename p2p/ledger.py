@@ -281,3 +281,15 @@ def revoked(records: Iterable[CheckRecord], checkers: Callable[[int, str], tuple
             since = max((r for p, r in good if p == peer and r < rnd), default=0) if confirmed else rnd - 1
             out.update((peer, r) for r in mine if since < r <= rnd)
     return out
+
+
+def revoked_in(entries: Iterable[Entry]) -> set[tuple[str, int]]:
+    """``revoked`` of the checks the ``entries`` carry, against those entries' members and the
+    checkers their beacons named."""
+    entries = list(entries)
+    member_of: dict[str, list[int]] = {}
+    for e in entries:
+        for row in e.rows:
+            member_of.setdefault(row.peer, []).append(e.round)
+    return revoked([c for e in entries for c in e.checks], checkers_by_entry({e.round: e for e in entries}.get),
+                   member_of)

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from p2p import hostile as hostile_kinds
-from p2p.ledger import STANDING_ROUNDS, Entry, Standing, revoked
+from p2p.ledger import STANDING_ROUNDS, Entry, Standing, revoked_in
 from p2p.ledgerfile import read_ledger
 
 # What an attacked swarm must achieve: no hostile state adopted, at least 90% of round attempts
@@ -186,7 +186,7 @@ def ledger_verdicts(entries: list[Entry], peer_ids: dict[str, str], hostile: lis
     # The standing each round began with, from the entries before it (as its members computed it).
     standings = {e.round: standing([by_round[r] for r in range(e.round - STANDING_ROUNDS, e.round) if r in by_round],
                                    by_round) for e in entries}
-    taken = revoked_rounds(entries)
+    taken = revoked_in(entries)  # credit failed checks take back, as `gonka-node ledger` totals it
     peers = {}
     for name, pid in peer_ids.items():
         rows = [(e.round, row) for e in entries for row in e.rows if row.peer == pid]
@@ -209,21 +209,6 @@ def ledger_verdicts(entries: list[Entry], peer_ids: dict[str, str], hostile: lis
                        "flags": count_flags(fl for _, fl in flagged)}
     out = {"entries": len(entries), "rounds": [entries[0].round, entries[-1].round] if entries else None}
     return out | honest_figures(peers, hostile, slow)
-
-
-def revoked_rounds(entries: list[Entry]) -> set[tuple[str, int]]:
-    """(peer, round) whose credit failed checks take back, as ``gonka-node ledger`` totals it
-    (p2p/ledger.py ``revoked``)."""
-    records = [c for e in entries for c in getattr(e, "checks", ())]
-    if not records:
-        return set()
-    from p2p.checks import checkers_by_entry
-
-    member_of: dict[str, list[int]] = {}
-    for e in entries:
-        for row in e.rows:
-            member_of.setdefault(row.peer, []).append(e.round)
-    return revoked(records, checkers_by_entry({e.round: e for e in entries}.get), member_of)
 
 
 def flagged_rounds(entries: list[Entry]) -> dict[str, dict[int, set[str]]]:

@@ -37,10 +37,7 @@ from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig
 from trainer.data import load_corpus
 from trainer.diloco import DiLoCoWorker
 
-try:
-    from benchmarks.options import positive_int
-except ImportError:  # run as a module from elsewhere
-    from scripts.benchmarks.options import positive_int
+from .options import positive_int
 
 KINDS = ("fast", "slow", "shirk", "replay", "free_ride", "noise")
 COLUMNS = ["kind", "members", "checks", "judged", "failed", "first_failed", "failed_of_judged"]

@@ -69,6 +69,11 @@ def test_a_record_is_signed_by_its_checker_and_its_verdict_is_its_gains(signers)
     wire[3] = signers[2].peer_id  # signed by another key than the checker's
     with pytest.raises(ValueError):
         CheckRecord.from_wire(wire)
+    # Gains of another shape (the 4 of an older format), or not finite, are refused as they come,
+    # even signed by the checker.
+    for gains in ((0.2, 0.1, 0.2, 0.1), (float("nan"),) * 7, (2.2,) * 6 + (float("inf"),), (2.2,) * 8):
+        with pytest.raises(ValueError):
+            CheckRecord.from_wire(record(signers[0], signers[1].peer_id, 4, gains).to_wire())
 
 
 def row(peer: str, flags: tuple[str, ...] = ()) -> Row:
